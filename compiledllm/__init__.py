@@ -1,0 +1,29 @@
+"""compiledllm: a PyTorch compile-centric engine for block diffusion language models.
+
+Public API (imported lazily so that `import compiledllm.<sub>` stays cheap and independent):
+    load_model(path, device="cpu", dtype=torch.float32) -> Model
+    run(recipe) -> list[Result]
+    Recipe
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_model": ("compiledllm.loader", "load_model"),
+    "run": ("compiledllm.engine.runner", "run"),
+    "Recipe": ("compiledllm.recipe", "Recipe"),
+    "UserError": ("compiledllm.errors", "UserError"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'compiledllm' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY) + ["__version__"]
