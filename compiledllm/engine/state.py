@@ -1,0 +1,26 @@
+"""Static per-slot buffers the decode step reads and updates in place (preallocated once per engine)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.policies.base import State
+
+
+@dataclass
+class SlotState:
+    seq: torch.Tensor          # [B, T] long: prompt, then generated / MASK tokens up to the working length
+    prompt_len: torch.Tensor   # [B] long
+    work_len: torch.Tensor     # [B] long: end of the block holding position prompt_len + max_new_tokens - 1
+    block_start: torch.Tensor  # [B] long: first position of the block being decoded (= cached prefix length)
+    active: torch.Tensor       # [B] bool: slot holds a request that is still decoding
+    steps: torch.Tensor        # [B] long: forwards made for the slot's request
+    policy: State              # the policy's per-row state
+
+    @classmethod
+    def allocate(cls, batch: int, capacity: int, policy_state: State, fill: int, device) -> "SlotState":
+        zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
+        return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
+                   work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
+                   steps=zeros(), policy=policy_state)

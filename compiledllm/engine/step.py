@@ -1,0 +1,49 @@
+"""The decode step: one forward of every slot's current block window, then the policy's update.
+
+A pure tensor function over SlotState's static buffers: per-row progress, acceptance, block ends and EOS
+are masks, never host branches, so the same function runs eagerly, under torch.compile, or captured.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiledllm.attention.metadata import DenseAttention, WindowAttention
+from compiledllm.engine.state import SlotState
+from compiledllm.kv.cache import KVCache
+from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.policies.base import Policy
+
+
+def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
+    """Float32 logits [B, Bk, V] of each row's block window at positions idx [B, Bk]."""
+    if model.bidirectional:
+        # Bidirectional models forward the whole working sequence each step (no cache); padding keys are hidden.
+        B, T = st.seq.shape
+        pos = torch.arange(T, device=st.seq.device).expand(B, T)
+        visible = (pos < st.work_len[:, None])[:, None, :]  # [B, 1, T] -> every query sees the row's sequence
+        return model(st.seq, pos, DenseAttention(visible), logits_index=idx)
+    window = st.seq.gather(1, idx)
+    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv)
+
+
+def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None) -> None:
+    block = policy.block_size
+    B, T = st.seq.shape
+    idx = (st.block_start[:, None] + torch.arange(block, device=st.seq.device)).clamp(max=T - 1)
+    window = st.seq.gather(1, idx)
+    logits = block_logits(model, st, idx, kv)
+    gen = idx >= st.prompt_len[:, None]
+    new_window, block_done, pstate = policy.update(window, logits, gen, st.policy)
+
+    act = st.active
+    new_window = torch.where(act[:, None], new_window, window)
+    block_done = block_done & act
+    st.seq.scatter_(1, idx, new_window)
+    eos_hit = ((new_window == model.eos_token_id) & gen).any(1)
+    new_start = st.block_start + block * block_done.long()
+    finished = block_done & (eos_hit | (new_start >= st.work_len))
+    st.block_start.copy_(new_start)
+    st.steps.add_(act.long())
+    st.active.copy_(act & ~finished)
+    for k, v in policy.reset(pstate, block_done).items():
+        st.policy[k].copy_(v)

@@ -1,0 +1,164 @@
+"""Shared layers every architecture is built from (pre-norm decoder with GQA and gated MLP/MoE)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compiledllm.attention.backend import attend
+from compiledllm.models.config import ModelConfig, MoEConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head (partial rotary)."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = positions.float()[..., None] * self.inv_freq  # [B, L, rot/2], float32 as the references do
+        angle = torch.cat([angle, angle], dim=-1)
+        return angle.cos(), angle.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, L, heads, hd]; cos/sin [B, L, rot]."""
+        rot = self.rotary_dim
+        xr, xp = x[..., :rot].float(), x[..., rot:]
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = xr * cos[:, :, None] + rotated * sin[:, :, None]
+        return torch.cat([out.to(x.dtype), xp], dim=-1)
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm before RoPE, GQA, output projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=False)
+        self.o = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x, rotary: Rotary, cos, sin, positions, attn_meta, kv_layer):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).view(B, L, self.h + 2 * self.kvh, self.hd).split([self.h, self.kvh, self.kvh], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        out = attend(q, k, v.contiguous(), positions, attn_meta, kv_layer)
+        return self.o(out.reshape(B, L, self.h * self.hd))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate x) * up x) with gate and up fused into one projection."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.inner = inner
+        self.gate_up = nn.Linear(dim, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inner, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Sigmoid router with expert bias (selection only) and group-limited top-k, routed experts + shared expert."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, F_ = cfg.num_experts, cfg.expert_dim
+        self.gate = nn.Parameter(torch.zeros(E, dim))
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+        self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * F_, dim))
+        self.w_down = nn.Parameter(torch.zeros(E, dim, F_))
+        self.shared = GatedMLP(dim, F_ * cfg.num_shared) if cfg.num_shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32."""
+        c = self.cfg
+        scores = torch.sigmoid(x.float() @ self.gate.float().t())
+        biased = scores + self.expert_bias
+        if c.n_group > 1:
+            grouped = biased.view(-1, c.n_group, c.num_experts // c.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, 1.0)
+            biased = (grouped * keep[..., None]).view_as(biased)  # dropped groups score 0.0
+        ids = biased.topk(c.top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk_prob and c.top_k > 1:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scaling
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.w_gate_up[e].t()).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down[e].t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        ids, w = self.route(x)
+        if torch.compiler.is_compiling():
+            out = self._dense(x, ids, w)
+        else:
+            out = self._sparse(x, ids, w)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def _dense(self, x, ids, w):
+        # Static shapes for torch.compile: every expert on every token, weighted by its (often zero) routing weight.
+        # Contributions are added in expert order, as in _sparse, so both give the same sums.
+        dense_w = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=w.dtype, device=x.device).scatter_(1, ids, w)
+        out = torch.zeros_like(x)
+        for e in range(self.cfg.num_experts):
+            out = out + self._expert(e, x) * dense_w[:, e : e + 1].to(x.dtype)
+        return out
+
+    def _sparse(self, x, ids, w):
+        k = self.cfg.top_k
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        tokens, weights = order // k, w.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t = tokens[start : start + n]
+                out.index_add_(0, t, self._expert(e, x[t]) * weights[start : start + n, None].to(x.dtype))
+                start += n
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        use_moe = cfg.moe is not None and index >= cfg.moe.first_dense_layers
+        self.mlp = MoE(cfg.hidden_size, cfg.moe) if use_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rotary, cos, sin, positions, attn_meta, kv_layer):
+        h = x + self.attn(self.input_norm(x), rotary, cos, sin, positions, attn_meta, kv_layer)
+        return h + self.mlp(self.post_norm(h))

@@ -1,0 +1,45 @@
+"""Decoding policies, one algorithm per file; `make_policy` builds one from its name and parameters."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from compiledllm.errors import UserError
+from compiledllm.policies.base import Policy, PolicyConfig
+from compiledllm.policies.t2t import T2TConfig, T2TPolicy
+from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
+
+POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
+    "threshold": (ThresholdConfig, ThresholdPolicy),
+    "t2t": (T2TConfig, T2TPolicy),
+}
+
+
+def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
+    """{'name': 'threshold', 'block_size': 32, ...} -> a frozen config (or pass one through)."""
+    if isinstance(params, PolicyConfig):
+        return params
+    params = dict(params)
+    name = params.pop("name", None)
+    if name not in POLICIES:
+        raise UserError(f"policy.name: {name!r} is not one of {', '.join(POLICIES)}")
+    cls = POLICIES[name][0]
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise UserError(f"policy.{unknown[0]}: unknown parameter for policy {name} (allowed: {', '.join(sorted(allowed))})")
+    return cls(**params)
+
+
+def make_policy(config: PolicyConfig, mask_id: int) -> Policy:
+    for cfg_cls, pol_cls in POLICIES.values():
+        if type(config) is cfg_cls:
+            return pol_cls(config, mask_id)
+    raise UserError(f"no policy for config {type(config).__name__}")
+
+
+def policy_name(config: PolicyConfig) -> str:
+    return next(n for n, (c, _) in POLICIES.items() if type(config) is c)
+
+
+__all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "make_policy", "policy_config",
+           "policy_name"]

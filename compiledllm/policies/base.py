@@ -1,0 +1,65 @@
+"""What every decoding policy shares: the per-step contract and the confidence rule of DESIGN.md §4.
+
+A policy sees one block-sized window per row and decides which tokens change. It never touches the
+model: the engine forwards, hands it float32 logits of the window, and applies what it returns.
+Everything here is a pure tensor function over static shapes (no host syncs): it runs inside the
+compiled / captured step.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    block_size: int = 32
+
+
+def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, p): argmax token with MASK excluded (ties -> lower id) and its softmax probability over the full
+    vocabulary, in float32. logits [B, L, V] -> [B, L] each."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    masked_out = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0)
+    p, v = masked_out.max(dim=-1)  # max returns the first (lowest) index among ties
+    return v, p
+
+
+def top_confident(conf: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: the k[b] most confident candidate positions of each row (ties -> lower position)."""
+    score = torch.where(candidates, conf, torch.full_like(conf, -2.0))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(conf.shape[1], device=conf.device).expand_as(order))
+    return candidates & (rank < k[:, None])
+
+
+class Policy(ABC):
+    """One decoding algorithm. `update` runs once per forward for every slot (inactive rows are masked by the engine)."""
+
+    name: str
+
+    def __init__(self, config: PolicyConfig, mask_id: int):
+        self.config = config
+        self.mask_id = mask_id
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def init_state(self, batch: int, device: torch.device) -> State:
+        """Per-row state buffers (zeros = the state at the start of a block)."""
+        return {}
+
+    @abstractmethod
+    def update(self, window: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
+        """window [B, Bk] tokens, logits [B, Bk, V] float32, gen [B, Bk] bool (generated, changeable positions).
+        Returns (new_window [B, Bk], block_done [B] bool, new_state). A block is done when the forward just
+        made saw its final tokens (so that forward's KV is the block's KV)."""
+
+    def reset(self, state: State, rows: torch.Tensor) -> State:
+        """Zero the per-block state of `rows` ([B] bool): they start a new block next step."""
+        return {k: torch.where(rows, torch.zeros_like(v), v) for k, v in state.items()}
