@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load_model": ("compiledllm.loader", "load_model"),
-    "run": ("compiledllm.engine.runner", "run"),
+    "run": ("compiledllm.runner", "run"),
+    "generate": ("compiledllm.engine", "generate"),
     "Recipe": ("compiledllm.recipe", "Recipe"),
     "UserError": ("compiledllm.errors", "UserError"),
 }

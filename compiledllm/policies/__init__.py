@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from pydantic import TypeAdapter, ValidationError
+
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
@@ -27,7 +29,15 @@ def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
     unknown = sorted(set(params) - allowed)
     if unknown:
         raise UserError(f"policy.{unknown[0]}: unknown parameter for policy {name} (allowed: {', '.join(sorted(allowed))})")
-    return cls(**params)
+    try:
+        return TypeAdapter(cls).validate_python(params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not key:  # a range check of the whole config: its message names the key
+            raise UserError(f"policy.{msg}") from None
+        raise UserError(f"policy.{key}: {msg} (got {err.get('input')!r})") from None
 
 
 def make_policy(config: PolicyConfig, mask_id: int) -> Policy:

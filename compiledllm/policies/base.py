@@ -19,6 +19,15 @@ State = dict[str, torch.Tensor]
 class PolicyConfig:
     block_size: int = 32
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+
+
+def check_probability(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}: must be within [0, 1], got {value}")
+
 
 def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, p): argmax token with MASK excluded (ties -> lower id) and its softmax probability over the full

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import Policy, PolicyConfig, State, confidence, top_confident
+from compiledllm.policies.base import (Policy, PolicyConfig, State, check_probability, confidence,
+                                       top_confident)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class T2TConfig(PolicyConfig):
     threshold: float = 0.7
     edit_threshold: float = 0.5
     max_post_steps: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_probability("threshold", self.threshold)
+        check_probability("edit_threshold", self.edit_threshold)
+        if self.max_post_steps < 0:
+            raise ValueError(f"max_post_steps: must be >= 0, got {self.max_post_steps}")
 
 
 class T2TPolicy(Policy):

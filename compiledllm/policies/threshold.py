@@ -11,13 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import Policy, PolicyConfig, State, confidence, top_confident
+from compiledllm.policies.base import (Policy, PolicyConfig, State, check_probability, confidence,
+                                       top_confident)
 
 
 @dataclass(frozen=True)
 class ThresholdConfig(PolicyConfig):
     threshold: float = 0.95
     steps: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_probability("threshold", self.threshold)
+        if self.steps is not None and not 1 <= self.steps <= self.block_size:
+            raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
 
 
 def transfer_schedule(block: int, steps: int | None) -> list[int]:

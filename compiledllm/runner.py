@@ -1,0 +1,99 @@
+"""Run a recipe end to end: load the model, encode prompts, decode, write results and a summary."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from compiledllm.engine import Engine, GenerationResult
+from compiledllm.errors import UserError
+from compiledllm.loader import load_model
+from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.policies import policy_name
+from compiledllm.recipe import PromptSpec, Recipe, load_recipe
+
+
+@dataclass(frozen=True)
+class Summary:
+    model: str
+    policy: str
+    device: str
+    prompts: int
+    tokens: int
+    forwards: int
+    tokens_per_forward: float
+    wall_s: float
+    tokens_per_s: float
+    load_s: float
+    compile: bool
+
+
+def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:
+    tok = model.tokenizer
+    out = []
+    for i, p in enumerate(prompts):
+        if p.ids is not None:
+            out.append(list(p.ids))
+            continue
+        if tok is None:
+            raise UserError(f"prompt {i}: the model has no tokenizer.json, so prompts must be token ids")
+        text = p.text if p.text is not None else tok.apply_chat_template(p.messages)
+        out.append(tok.encode(text))
+    return out
+
+
+def result_record(res: GenerationResult) -> dict:
+    rec = {"index": res.index, "prompt_ids": res.prompt_ids, "output_ids": res.output_ids}
+    if res.text is not None:
+        rec["text"] = res.text
+    rec |= {"steps": res.steps, "latency_s": round(res.latency_s, 6)}
+    return rec
+
+
+def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
+            on_result: Callable[[GenerationResult], None] | None = None,
+            output: Path | None = None) -> tuple[list[GenerationResult], Summary]:
+    t0 = time.perf_counter()
+    m = recipe.model
+    model = load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
+                       eos_token_id=m.eos_token_id)
+    load_s = time.perf_counter() - t0
+    prompts = encode_prompts(model, recipe.load_prompts())
+    engine = Engine(model, recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
+                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile)
+    if on_start is not None:
+        on_start(len(prompts))
+    sink = output.open("w") if output is not None else None
+    try:
+        def record(res: GenerationResult) -> None:
+            if sink is not None:  # written as each request ends, so an interrupted run keeps what finished
+                sink.write(json.dumps(result_record(res)) + "\n")
+                sink.flush()
+            if on_result is not None:
+                on_result(res)
+
+        t1 = time.perf_counter()
+        results = engine.generate(prompts, on_result=record)
+        wall = time.perf_counter() - t1
+    finally:
+        if sink is not None:
+            sink.close()
+    tokens = sum(len(r.output_ids) for r in results)
+    forwards = sum(r.steps for r in results)
+    summary = Summary(model=m.path, policy=policy_name(recipe.policy_config()), device=str(model.device),
+                      prompts=len(results), tokens=tokens, forwards=forwards,
+                      tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
+                      load_s=load_s, compile=recipe.compile)
+    return results, summary
+
+
+def run(recipe: str | Path | dict | Recipe, overrides: list[str] | None = None) -> list[GenerationResult]:
+    """Run a recipe (path, mapping or Recipe); one result per prompt, in prompt order. Writes no files."""
+    results, _ = execute(load_recipe(recipe, overrides))
+    return results
+
+
+def summary_dict(summary: Summary) -> dict:
+    return asdict(summary)
