@@ -17,13 +17,41 @@ Query head h reads KV head h // (H // KVH) (GQA). Accumulation is float32.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import warnings
+
 import torch
+
+from compiledllm.attention import cupy_packed  # registers torch.ops.compiledllm.packed_attention
+
+# Whether the CuPy kernel can be used at all (the optional extra compiledllm[cupy-cuda13]).
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+_REF_CHUNK_BYTES = 256 << 20  # float32 scores + K/V of one batch chunk in the reference
 
 
 def window_slot_mask(q_len: int, slot: int, device: torch.device | None = None) -> torch.Tensor:
     """[Lq, Lq] bool: window query i may see window key j iff j // slot <= i // slot."""
     s = torch.arange(q_len, device=device) // slot
     return s[None, :] <= s[:, None]
+
+
+def _ref_rows(q, k_cache, v_cache, prefix_len, k_win, v_win, seen_win, scale):
+    """The reference on a chunk of batch rows: float32 scores against prefix and window, one softmax."""
+    B, Lq, H, D = q.shape
+    S, KVH = k_cache.shape[1], k_cache.shape[2]
+    qf = q.float().view(B, Lq, KVH, H // KVH, D)
+    s_pre = torch.einsum("bikgd,bjkd->bkgij", qf, k_cache.float())  # [B, KVH, G, Lq, S]
+    s_win = torch.einsum("bikgd,bjkd->bkgij", qf, k_win.float())  # [B, KVH, G, Lq, Lq]
+    seen_pre = torch.arange(S, device=q.device)[None, :] < prefix_len[:, None]  # [B, S]
+    s_pre = s_pre.masked_fill(~seen_pre[:, None, None, None, :], float("-inf"))
+    s_win = s_win.masked_fill(~seen_win, float("-inf"))
+    scores = torch.cat([s_pre, s_win], dim=-1) * scale
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G, Lq]
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bkgij,bjkd->bikgd", probs[..., :S], v_cache.float())
+    out = out + torch.einsum("bkgij,bjkd->bikgd", probs[..., S:], v_win.float())
+    return out.reshape(B, Lq, H, D), lse.reshape(B, H, Lq)
 
 
 def packed_attention_ref(
@@ -37,28 +65,80 @@ def packed_attention_ref(
     scale: float | None = None,
     return_lse: bool = False,
 ):
-    """The torch reference of the contract above (float32 math, explicit mask)."""
+    """The torch reference of the contract above (float32 math, explicit mask).
+
+    Processes the batch in chunks so that its float32 scores and K/V copies stay near
+    _REF_CHUNK_BYTES; no host synchronisation, so it also runs inside a CUDA graph.
+    """
     B, Lq, H, D = q.shape
     S, KVH = k_cache.shape[1], k_cache.shape[2]
-    G = H // KVH
     scale = D ** -0.5 if scale is None else scale
-    keys = torch.cat([k_cache, k_win], dim=1).float()  # [B, S + Lq, KVH, D]
-    vals = torch.cat([v_cache, v_win], dim=1).float()
-    qf = q.float().view(B, Lq, KVH, G, D)
-    scores = torch.einsum("bikgd,bjkd->bkgij", qf, keys) * scale  # [B, KVH, G, Lq, S + Lq]
-    pos = torch.arange(S, device=q.device)
-    seen_prefix = pos[None, :] < prefix_len.to(q.device)[:, None]  # [B, S]
-    seen_win = window_slot_mask(Lq, slot, q.device)  # [Lq, Lq]
-    mask = torch.cat([seen_prefix[:, None, :].expand(B, Lq, S), seen_win[None].expand(B, Lq, Lq)], dim=2)
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G, Lq]
-    probs = torch.exp(scores - lse[..., None])
-    out = torch.einsum("bkgij,bjkd->bikgd", probs, vals).reshape(B, Lq, H, D)
+    prefix_len = prefix_len.to(q.device)
+    seen_win = window_slot_mask(Lq, slot, q.device)
+    per_row = 4 * (H * Lq * (S + Lq) * 2 + 2 * (S + Lq) * KVH * D)
+    step = max(1, _REF_CHUNK_BYTES // max(per_row, 1))
+    outs, lses = [], []
+    for b0 in range(0, B, step):
+        rows = slice(b0, b0 + step)
+        o, l = _ref_rows(q[rows], k_cache[rows], v_cache[rows], prefix_len[rows], k_win[rows], v_win[rows],
+                         seen_win, scale)
+        outs.append(o.to(q.dtype))
+        lses.append(l)
+    out = torch.cat(outs) if len(outs) != 1 else outs[0]
     if return_lse:
-        return out.to(q.dtype), lse.reshape(B, H, Lq)
-    return out.to(q.dtype)
+        return out, (torch.cat(lses) if len(lses) != 1 else lses[0])
+    return out
 
 
-def packed_attention(q, k_cache, v_cache, prefix_len, k_win, v_win, slot: int, scale: float | None = None):
-    """Dispatch: the CuPy kernel on CUDA when available, the torch reference elsewhere."""
-    return packed_attention_ref(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale)
+@functools.cache
+def _warn_no_cupy() -> None:
+    warnings.warn(
+        "compiledllm: CUDA tensors but CuPy is not installed: install compiledllm[cupy-cuda13] "
+        "for the fast kernel; using the slower torch reference for packed attention",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the CuPy kernel covers these inputs (else the reference runs)."""
+    return (
+        q.is_cuda
+        and q.dtype in cupy_packed.SUPPORTED_DTYPES
+        and q.shape[-1] in cupy_packed.SUPPORTED_HEAD_DIMS
+        and q.shape[2] % k_cache.shape[2] == 0
+    )
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    slot: int,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Dispatch: the CuPy kernel on CUDA when available, the torch reference elsewhere.
+
+    backend: None (auto), "cupy" (force the kernel) or "torch" (force the reference).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if backend is None:
+        backend = "torch"
+        if q.is_cuda:
+            if not HAS_CUPY:
+                _warn_no_cupy()
+            elif kernel_supports(q, k_cache):
+                backend = "cupy"
+    if backend == "cupy":
+        out, lse = torch.ops.compiledllm.packed_attention(
+            q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse
+        )
+        return (out, lse) if return_lse else out
+    if backend != "torch":
+        raise ValueError(f"unknown packed attention backend {backend!r} (use None, 'cupy' or 'torch')")
+    return packed_attention_ref(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse)

@@ -1,0 +1,241 @@
+"""The packed-attention CUDA kernel (kernels/packed_attention.cu) through CuPy/NVRTC, as a torch op.
+
+`torch.ops.compiledllm.packed_attention(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale,
+return_lse) -> (out, lse)` follows the contract in packed.py. The kernel is compiled at first use
+per (device, dtype, head dim, tile) and launched on torch's current stream with raw pointers: a call
+does no host synchronisation and no cudaMalloc (the split-K workspace is kept per device and only
+grows), so it can be captured in a CUDA graph. CuPy is imported lazily: importing this module (and
+registering the op) works without it.
+"""
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_SOURCE = Path(__file__).with_name("kernels") / "packed_attention.cu"
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A compile-time kernel configuration: a CTA of `nwarps` warps owns nwarps*16*mtiles query rows."""
+
+    nwarps: int = 4
+    mtiles: int = 1
+    block_n: int = 64
+    stages: int = 2
+    qregs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
+    minblocks: int = 2  # __launch_bounds__ occupancy hint (caps registers)
+
+    @property
+    def rows(self) -> int:
+        return self.nwarps * 16 * self.mtiles
+
+    @property
+    def threads(self) -> int:
+        return self.nwarps * 32
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return (self.rows + 2 * self.stages * self.block_n) * head_dim * 2
+
+
+TILES = {
+    "w4": Tile(4, 1, 64, 2, True, 2),
+    "w8": Tile(8, 1, 64, 3, True, 1),
+    "w4m2": Tile(4, 2, 64, 2, False, 1),
+    "w8s": Tile(8, 1, 64, 2, False, 2),
+}
+
+
+def default_tile(head_dim: int, rows: int) -> Tile:
+    """rows = G * Lq query rows per KV head; wider CTAs share each K/V tile among more rows."""
+    return TILES["w8"] if rows > 64 else TILES["w4"]
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    fwd: object  # cupy.RawKernel
+    combine: object
+    ctas_per_sm: int
+    num_sms: int
+
+
+@functools.cache
+def _kernels(device_index: int, bf16: bool, head_dim: int, tile: Tile) -> _Kernels:
+    import cupy
+
+    defines = {
+        "IS_BF16": int(bf16), "HEAD_DIM": head_dim, "NWARPS": tile.nwarps, "MTILES": tile.mtiles,
+        "BLOCK_N": tile.block_n, "STAGES": tile.stages, "QREGS": int(tile.qregs), "MINBLOCKS": tile.minblocks,
+    }
+    options = ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines.items())
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=options)
+        fwd = module.get_function("packed_attn_fwd")
+        combine = module.get_function("packed_attn_combine")
+        smem = tile.smem_bytes(head_dim)
+        fwd.max_dynamic_shared_size_bytes = smem
+        props = torch.cuda.get_device_properties(device_index)
+        # Resident CTAs per SM from registers (allocated per warp in units of 256), smem and threads.
+        warp_regs = -(-fwd.num_regs * 32 // 256) * 256
+        by_regs = 65536 // (warp_regs * tile.nwarps)
+        by_smem = (228 * 1024) // (smem + 1024)
+        per_sm = max(1, min(by_regs, by_smem, 2048 // tile.threads))
+    return _Kernels(fwd, combine, per_sm, props.multi_processor_count)
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_splits(n_ctas: int, cache_len: int, slots: int) -> int:
+    """Flash-decoding split count: fill the GPU's CTA slots, each split keeping >= _MIN_KEYS_PER_SPLIT."""
+    max_splits = max(1, min(_MAX_SPLITS, cache_len // _MIN_KEYS_PER_SPLIT))
+    if n_ctas >= slots or max_splits == 1:
+        return 1
+    eff = [n_ctas * s / slots / math.ceil(n_ctas * s / slots) for s in range(1, max_splits + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+class _StreamHandle:
+    """A raw cudaStream_t speaking the CUDA stream protocol (what cupy.cuda.Stream.from_external takes)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int):
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle)
+
+
+class _Workspace:
+    """Per-device fp32 split-K partials; grows on demand, so steady-state calls allocate nothing."""
+
+    buffers: dict = {}  # device index -> flat float32 tensor (the only state besides the kernel cache)
+
+    @classmethod
+    def get(cls, device: torch.device, numel: int) -> torch.Tensor:
+        buf = cls.buffers.get(device.index)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            cls.buffers[device.index] = buf
+        return buf[:numel]
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous, 16-byte aligned rows: what the kernel's 16-byte cp.async loads need."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    ok = ok and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, head) element strides; a size-1 dim gets 0 (its index is always 0)."""
+    return tuple(s if n > 1 else 0 for s, n in zip(t.stride()[:3], t.shape[:3]))
+
+
+def check_inputs(q, k_cache, v_cache, prefix_len, k_win, v_win) -> None:
+    B, Lq, H, D = q.shape
+    if q.dtype not in SUPPORTED_DTYPES or D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"packed attention kernel: dtype {q.dtype} / head dim {D} not supported")
+    S, KVH = k_cache.shape[1], k_cache.shape[2]
+    if H % KVH or tuple(v_cache.shape) != (B, S, KVH, D) or tuple(k_cache.shape) != (B, S, KVH, D):
+        raise ValueError(f"packed attention kernel: bad cache shapes {tuple(k_cache.shape)} for q {tuple(q.shape)}")
+    if tuple(k_win.shape) != (B, Lq, KVH, D) or tuple(v_win.shape) != (B, Lq, KVH, D):
+        raise ValueError(f"packed attention kernel: bad window shapes {tuple(k_win.shape)}")
+    if any(t.dtype != q.dtype for t in (k_cache, v_cache, k_win, v_win)):
+        raise ValueError("packed attention kernel: q, caches and window K/V must share one dtype")
+    if prefix_len.shape != (B,) or prefix_len.dtype not in (torch.int32, torch.int64):
+        raise ValueError("packed attention kernel: prefix_len must be an int32/int64 tensor of shape [B]")
+
+
+def packed_attention_cuda(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    slot: int,
+    scale: float,
+    return_lse: bool,
+    tile: Tile | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel (tile/splits override the heuristics, for tests and the benchmark)."""
+    check_inputs(q, k_cache, v_cache, prefix_len, k_win, v_win)
+    B, Lq, H, D = q.shape
+    S, KVH = k_cache.shape[1], k_cache.shape[2]
+    rows = (H // KVH) * Lq
+    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    q, k_cache, v_cache, k_win, v_win = map(_kernel_layout, (q, k_cache, v_cache, k_win, v_win))
+    prefix_len = prefix_len.contiguous()
+    tile = tile or default_tile(D, rows)
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    ks = _kernels(dev, q.dtype == torch.bfloat16, D, tile)
+    row_tiles = -(-rows // tile.rows)
+    ns = splits or _num_splits(row_tiles * B * KVH, S, ks.num_sms * ks.ctas_per_sm)
+    ws_o = ws_lse = 0
+    if ns > 1:
+        n_rows = B * Lq * H
+        ws = _Workspace.get(q.device, ns * n_rows * (D + 1))
+        ws_o, ws_lse = ws.data_ptr(), ws[ns * n_rows * D :].data_ptr()
+    args = (
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_win.data_ptr(), v_win.data_ptr(),
+        prefix_len.data_ptr(), np.int32(prefix_len.dtype == torch.int64),
+        out.data_ptr(), lse.data_ptr() if (return_lse and ns == 1) else 0, ws_o, ws_lse,
+        np.int32(B), np.int32(Lq), np.int32(H), np.int32(KVH), np.int32(S), np.int32(slot), np.int32(ns),
+        np.float32(scale * math.log2(math.e)),
+        *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(k_win), *_strides(v_win),
+    )
+    import cupy
+
+    with cupy.cuda.Device(dev), _cupy_stream(torch.cuda.current_stream(q.device).cuda_stream):
+        ks.fwd((row_tiles, B * KVH, ns), (tile.threads, 1, 1), args, shared_mem=tile.smem_bytes(D))
+        if ns > 1:
+            warps_per_block = 4
+            n_blocks = -(-(B * Lq * H) // warps_per_block)
+            ks.combine(
+                (n_blocks, 1, 1), (32 * warps_per_block, 1, 1),
+                (ws_o, ws_lse, out.data_ptr(), lse.data_ptr() if return_lse else 0,
+                 np.int32(B), np.int32(Lq), np.int32(H), np.int32(ns)),
+            )
+    return out, lse
+
+
+@torch.library.custom_op("compiledllm::packed_attention", mutates_args=(), device_types="cuda")
+def packed_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    slot: int,
+    scale: float,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Lq, H, D] and lse [B, H, Lq] (an empty tensor when return_lse is False)."""
+    return packed_attention_cuda(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse)
+
+
+@packed_attention_op.register_fake
+def _(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse):
+    B, Lq, H, _ = q.shape
+    lse = q.new_empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
