@@ -54,8 +54,9 @@ TILES = {
 
 
 def default_tile(head_dim: int, rows: int) -> Tile:
-    """rows = G * Lq query rows per KV head; wider CTAs share each K/V tile among more rows."""
-    return TILES["w8"] if rows > 64 else TILES["w4"]
+    """rows = G * Lq query rows per KV head. On the H200 sweep (docs/results/attention.md) 4 warps x 16
+    rows with 2 CTAs/SM beat the 128-row tiles: the extra K/V reads of the row tiles hit L2."""
+    return TILES["w4"]
 
 
 @dataclass(frozen=True)
@@ -134,27 +135,30 @@ class _Workspace:
         return buf[:numel]
 
 
-def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """Last dim contiguous, 16-byte aligned rows: what the kernel's 16-byte cp.async loads need."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The tensor in a layout the kernel's 16-byte cp.async loads take (last dim contiguous, rows
+    16-byte aligned; else a contiguous copy) and its (batch, token, head) element strides."""
+    st = t.stride()
+    if st[3] != 1 or (st[0] | st[1] | st[2]) & 7 or t.data_ptr() & 15:
+        t = t.clone(memory_format=torch.contiguous_format)
+        st = t.stride()
+    return t, st[:3]
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, token, head) element strides; a size-1 dim gets 0 (its index is always 0)."""
-    return tuple(s if n > 1 else 0 for s, n in zip(t.stride()[:3], t.shape[:3]))
+@functools.lru_cache(maxsize=4096)
+def _scalars(B: int, Lq: int, H: int, KVH: int, S: int, slot: int, ns: int, scale: float) -> tuple:
+    """The kernel's 32-bit scalar arguments (cached: building numpy scalars per call costs microseconds)."""
+    ints = tuple(np.int32(x) for x in (B, Lq, H, KVH, S, slot, ns))
+    return ints + (np.float32(scale * math.log2(math.e)),)
 
 
 def check_inputs(q, k_cache, v_cache, prefix_len, k_win, v_win) -> None:
     B, Lq, H, D = q.shape
     if q.dtype not in SUPPORTED_DTYPES or D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"packed attention kernel: dtype {q.dtype} / head dim {D} not supported")
-    S, KVH = k_cache.shape[1], k_cache.shape[2]
-    if H % KVH or tuple(v_cache.shape) != (B, S, KVH, D) or tuple(k_cache.shape) != (B, S, KVH, D):
-        raise ValueError(f"packed attention kernel: bad cache shapes {tuple(k_cache.shape)} for q {tuple(q.shape)}")
-    if tuple(k_win.shape) != (B, Lq, KVH, D) or tuple(v_win.shape) != (B, Lq, KVH, D):
-        raise ValueError(f"packed attention kernel: bad window shapes {tuple(k_win.shape)}")
+    kc, kw = k_cache.shape, k_win.shape
+    if kc != v_cache.shape or kw != v_win.shape or kc[0] != B or kc[3] != D or kw != (B, Lq, kc[2], D) or H % kc[2]:
+        raise ValueError(f"packed attention kernel: bad K/V shapes {tuple(kc)} / {tuple(kw)} for q {tuple(q.shape)}")
     if any(t.dtype != q.dtype for t in (k_cache, v_cache, k_win, v_win)):
         raise ValueError("packed attention kernel: q, caches and window K/V must share one dtype")
     if prefix_len.shape != (B,) or prefix_len.dtype not in (torch.int32, torch.int64):
@@ -183,7 +187,9 @@ def packed_attention_cuda(
     lse = torch.empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    q, k_cache, v_cache, k_win, v_win = map(_kernel_layout, (q, k_cache, v_cache, k_win, v_win))
+    (q, sq), (k_cache, skc), (v_cache, svc), (k_win, skw), (v_win, svw) = map(
+        _prepare, (q, k_cache, v_cache, k_win, v_win)
+    )
     prefix_len = prefix_len.contiguous()
     tile = tile or default_tile(D, rows)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -195,13 +201,12 @@ def packed_attention_cuda(
         n_rows = B * Lq * H
         ws = _Workspace.get(q.device, ns * n_rows * (D + 1))
         ws_o, ws_lse = ws.data_ptr(), ws[ns * n_rows * D :].data_ptr()
+    scalars = _scalars(B, Lq, H, KVH, S, slot, ns, scale)
     args = (
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_win.data_ptr(), v_win.data_ptr(),
         prefix_len.data_ptr(), np.int32(prefix_len.dtype == torch.int64),
         out.data_ptr(), lse.data_ptr() if (return_lse and ns == 1) else 0, ws_o, ws_lse,
-        np.int32(B), np.int32(Lq), np.int32(H), np.int32(KVH), np.int32(S), np.int32(slot), np.int32(ns),
-        np.float32(scale * math.log2(math.e)),
-        *_strides(q), *_strides(k_cache), *_strides(v_cache), *_strides(k_win), *_strides(v_win),
+        *scalars, *sq, *skc, *svc, *skw, *svw,
     )
     import cupy
 
@@ -213,7 +218,7 @@ def packed_attention_cuda(
             ks.combine(
                 (n_blocks, 1, 1), (32 * warps_per_block, 1, 1),
                 (ws_o, ws_lse, out.data_ptr(), lse.data_ptr() if return_lse else 0,
-                 np.int32(B), np.int32(Lq), np.int32(H), np.int32(ns)),
+                 scalars[0], scalars[1], scalars[2], scalars[6]),
             )
     return out, lse
 
