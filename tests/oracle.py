@@ -289,8 +289,8 @@ def literal_decode(
 
     `logits_fn(ids[1, L], block_size) -> logits[1, L, V]`. Block-causal models forward the
     prefix up to the current block end with `block_size`; `bidirectional=True` forwards the
-    whole working sequence with block_size None. `stats`, when given, receives "forwards"
-    and "min_margin" (smallest |p - tau| over threshold tests and smallest top-1/top-2
+    whole working sequence with block_size None. `stats`, when given, receives "forwards",
+    "accepted" (per forward with masks left, how many masks it filled) and "min_margin" (smallest |p - tau| over threshold tests and smallest top-1/top-2
     probability gap among decided positions: a tiny value flags a numerical near-tie).
     """
     assert policy in ("threshold", "t2t"), policy
@@ -301,6 +301,7 @@ def literal_decode(
     x = list(prompt) + [mask_id] * (total - P)
     forwards = 0
     margin = math.inf
+    accepted: list[int] = []  # per forward that had masks: how many masked positions were filled
 
     def forward(end: int) -> tuple[list[int], list[float], list[float]]:
         nonlocal forwards
@@ -336,6 +337,7 @@ def literal_decode(
                     margin = min(margin, abs(p[j] - threshold))
                 if not acc:
                     acc = [most_confident(masked, p)]
+                accepted.append(len(acc))
                 for j in acc:
                     x[j] = v[j]
                     margin = min(margin, gap[j])
@@ -355,6 +357,8 @@ def literal_decode(
                     margin = min(margin, abs(p[j] - threshold))
                 if masked and not m2t:
                     m2t = [most_confident(masked, p)]
+                if masked:
+                    accepted.append(len(m2t))
                 t2t = []
                 for j in range(max(s, P), e):
                     if old[j - s] != mask_id:
@@ -375,4 +379,5 @@ def literal_decode(
     if stats is not None:
         stats["forwards"] = forwards
         stats["min_margin"] = margin
+        stats["accepted"] = accepted
     return out
