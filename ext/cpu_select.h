@@ -1,0 +1,67 @@
+// Contract of the CPU selection extension (compiledllm._cpu_select); no libtorch, raw pointers only.
+//
+// Keys / values, one layer of the full pool, bf16 bits:
+//   element [b][h][s][d] at ptr + b*sb + h*sh + s*ss + d      (strides in elements, d contiguous)
+//   b < B requests, h < KVH kv heads, s < lengths[b] valid positions, d < D (D % 32 == 0, D <= 256).
+// Queries, bf16 bits: [b][hq][i][d] at q + b*q_sb + hq*q_sh + i*q_sn + d, hq < KVH*G, i < n_q.
+//   Query head hq reads kv head hq / G. Inside a kv head the G*n_q rows are r = g*n_q + i.
+// Scores are float32 dot products of bf16 values (as VDPBF16PS: pairs of dims, odd then even),
+// times scale. Per (b, h):
+//   importance[s] = sum_r exp(score[r][s] - lse[r]),  lse[r] = log sum_s exp(score[r][s])
+//   idx  int32 [B][KVH][topk]: the topk positions of largest importance (ties: lower position
+//        first), written in ascending position order; if topk >= length, 0..length-1 then -1.
+//   out  float32 [B][KVH*G][n_q][D]: softmax(score) @ V;  lse float32 [B][KVH*G][n_q].
+// Results do not depend on the thread count, and both dispatch paths give the same idx and lse.
+#pragma once
+#include <cstdint>
+
+namespace cllm {
+
+struct SelectArgs {
+  const uint16_t* k = nullptr;  // bf16 bits
+  const uint16_t* v = nullptr;  // may be null when out == nullptr
+  int64_t k_sb = 0, k_sh = 0, k_ss = 0;
+  int64_t v_sb = 0, v_sh = 0, v_ss = 0;
+  int64_t B = 0, KVH = 0, D = 0;
+  const int64_t* lengths = nullptr;  // [B]
+  const uint16_t* q = nullptr;       // bf16 bits
+  int64_t q_sb = 0, q_sh = 0, q_sn = 0;
+  int64_t G = 1, n_q = 1;
+  float scale = 1.f;
+  int64_t topk = 0;        // used only when idx != nullptr
+  int32_t* idx = nullptr;  // optional outputs
+  float* out = nullptr;
+  float* lse = nullptr;
+  int threads = 0;   // 0: OpenMP default
+  int prefetch = 0;  // software prefetch distance in 16-key tiles (0: hardware prefetch only)
+  int64_t score_budget = int64_t(64) << 20;  // floats of score rows held at once (tests make it small)
+};
+
+// dst bf16 [2][B][KVH][topk][D] (K then V), one contiguous block for one host-to-device copy.
+// Row i of (b, h) is row idx[b][h][i] of the pool; idx < 0 gives a zero row.
+struct GatherArgs {
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  int64_t k_sb = 0, k_sh = 0, k_ss = 0;
+  int64_t v_sb = 0, v_sh = 0, v_ss = 0;
+  int64_t B = 0, KVH = 0, D = 0;
+  const int32_t* idx = nullptr;  // [B][KVH][topk]
+  int64_t topk = 0;
+  uint16_t* dst = nullptr;
+  int threads = 0;
+};
+
+// One namespace per instruction set; the same algorithm is compiled into each.
+namespace avx512 {
+bool compiled();  // false when the compiler or target cannot build the AVX-512-BF16 path
+void select(const SelectArgs& a);
+void gather(const GatherArgs& a);
+uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
+}  // namespace avx512
+namespace portable {
+void select(const SelectArgs& a);
+void gather(const GatherArgs& a);
+uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
+}  // namespace portable
+
+}  // namespace cllm

@@ -1,0 +1,145 @@
+// Python bindings of compiledllm._cpu_select: raw addresses and strides in, GIL released while the
+// kernels run, runtime choice of the instruction-set path. See cpu_select.h for the contract.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_select.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define CLLM_X86 1
+#endif
+
+namespace py = pybind11;
+using cllm::GatherArgs;
+using cllm::SelectArgs;
+
+namespace {
+
+struct Features {
+  bool avx512_bf16 = false, amx_bf16 = false;
+};
+
+Features detect() {
+  Features f;
+#ifdef CLLM_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return f;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  const bool os_zmm = (lo & 0xE6u) == 0xE6u;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM state enabled
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool base = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
+  f.amx_bf16 = (d & (1u << 22)) && (d & (1u << 24)) && ((lo >> 17) & 3u) == 3u;
+  __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  f.avx512_bf16 = os_zmm && base && (a & (1u << 5)) && cllm::avx512::compiled();
+#endif
+  return f;
+}
+
+const Features& features() {
+  static const Features f = detect();
+  return f;
+}
+
+bool use_avx512(bool portable) { return !portable && features().avx512_bf16; }
+
+const char* path_name(bool fast) { return fast ? "avx512bf16" : "portable"; }
+
+template <class T>
+T* ptr(uintptr_t x) {
+  return reinterpret_cast<T*>(x);
+}
+
+std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
+                      int64_t KVH, int64_t D, uintptr_t lengths, uintptr_t q, std::array<int64_t, 3> qs, int64_t G,
+                      int64_t n_q, double scale, int64_t topk, uintptr_t idx, uintptr_t out, uintptr_t lse,
+                      int threads, bool portable, int prefetch, int64_t score_budget) {
+  if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("select: head_dim must be a multiple of 32 in [32, 256]");
+  if (G < 1 || n_q < 1 || G * n_q > 4096) throw std::invalid_argument("select: need G >= 1, n_q >= 1, G*n_q <= 4096");
+  if (!k || !q || !lengths) throw std::invalid_argument("select: null k, q or lengths");
+  if (out && !v) throw std::invalid_argument("select: out needs v");
+  if (idx && topk < 0) throw std::invalid_argument("select: topk must be >= 0");
+  if (threads < 0 || prefetch < 0) throw std::invalid_argument("select: threads and prefetch must be >= 0");
+  SelectArgs a;
+  a.k = ptr<const uint16_t>(k);
+  a.v = ptr<const uint16_t>(v);
+  a.k_sb = ks[0], a.k_sh = ks[1], a.k_ss = ks[2];
+  a.v_sb = vs[0], a.v_sh = vs[1], a.v_ss = vs[2];
+  a.B = B, a.KVH = KVH, a.D = D;
+  a.lengths = ptr<const int64_t>(lengths);
+  a.q = ptr<const uint16_t>(q);
+  a.q_sb = qs[0], a.q_sh = qs[1], a.q_sn = qs[2];
+  a.G = G, a.n_q = n_q;
+  a.scale = float(scale);
+  a.topk = topk;
+  a.idx = ptr<int32_t>(idx);
+  a.out = ptr<float>(out);
+  a.lse = ptr<float>(lse);
+  a.threads = threads;
+  a.prefetch = prefetch;
+  if (score_budget > 0) a.score_budget = score_budget;
+  const bool fast = use_avx512(portable);
+  {
+    py::gil_scoped_release nogil;
+    fast ? cllm::avx512::select(a) : cllm::portable::select(a);
+  }
+  return path_name(fast);
+}
+
+std::string py_gather(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
+                      int64_t KVH, int64_t D, uintptr_t idx, int64_t topk, uintptr_t dst, int threads, bool portable) {
+  if (!k || !v || !dst || (topk > 0 && !idx)) throw std::invalid_argument("gather: null pointer");
+  if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("gather: head_dim must be a multiple of 32 in [32, 256]");
+  GatherArgs a;
+  a.k = ptr<const uint16_t>(k);
+  a.v = ptr<const uint16_t>(v);
+  a.k_sb = ks[0], a.k_sh = ks[1], a.k_ss = ks[2];
+  a.v_sb = vs[0], a.v_sh = vs[1], a.v_ss = vs[2];
+  a.B = B, a.KVH = KVH, a.D = D;
+  a.idx = ptr<const int32_t>(idx);
+  a.topk = topk;
+  a.dst = ptr<uint16_t>(dst);
+  a.threads = threads;
+  const bool fast = use_avx512(portable);
+  {
+    py::gil_scoped_release nogil;
+    fast ? cllm::avx512::gather(a) : cllm::portable::gather(a);
+  }
+  return path_name(fast);
+}
+
+uint64_t py_read_probe(uintptr_t p, int64_t bytes, int threads, bool portable) {
+  py::gil_scoped_release nogil;
+  return use_avx512(portable) ? cllm::avx512::read_probe(ptr<const uint8_t>(p), bytes, threads)
+                              : cllm::portable::read_probe(ptr<const uint8_t>(p), bytes, threads);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_select, m) {
+  m.doc() = "Fused CPU attention + per-KV-head top-k selection and gather (see compiledllm.kv.cpu_select).";
+  m.def("select", &py_select, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
+        py::arg("KVH"), py::arg("D"), py::arg("lengths"), py::arg("q"), py::arg("q_strides"), py::arg("G"),
+        py::arg("n_q"), py::arg("scale"), py::arg("topk"), py::arg("idx"), py::arg("out"), py::arg("lse"),
+        py::arg("threads") = 0, py::arg("portable") = false, py::arg("prefetch") = 0,
+        py::arg("score_budget") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
+  m.def("gather", &py_gather, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
+        py::arg("KVH"), py::arg("D"), py::arg("idx"), py::arg("topk"), py::arg("dst"), py::arg("threads") = 0,
+        py::arg("portable") = false, "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");
+  m.def("read_probe", &py_read_probe, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 0,
+        py::arg("portable") = false, "Read nbytes once with all threads (a bandwidth probe); returns a checksum.");
+  m.def("isa", []() { return std::string(path_name(use_avx512(false))); }, "The path used unless portable=True.");
+  m.def("cpu_features", []() {
+    py::dict d;
+    d["avx512_bf16"] = features().avx512_bf16;
+    d["amx_bf16"] = features().amx_bf16;
+    d["avx512_compiled"] = cllm::avx512::compiled();
+    return d;
+  });
+}

@@ -1,0 +1,249 @@
+// The select() and gather() algorithms, written once over a 16-lane float vector V and a few
+// tile primitives. Included inside namespace cllm::<isa> by backend_<isa>.cpp, after these:
+//   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vsub, vmul,
+//   vexp2(V) (the shared exp2 recipe below), vtail(V, n, fill), float vhmax(V), vhsum(V),
+//   score_tile(k, k_ss, n, D, q_rows, R, c, s[R][16], tmp)   s = c * (q . k) for 16 keys,
+//   pv_tile(v, v_ss, n, D, p[R][16], R, o[R][D], tmp)       o += p @ v over 16 keys,
+//   prefetch_rows(rows, stride, n, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence().
+// Every step whose result feeds idx or lse uses the same operations in the same order in both
+// paths (no contraction: built with -ffp-contract=off), so both paths select the same positions.
+// exp2 recipe (Cephes exp2f, ~2e-7 relative): x >= -126 ? 2^n * (1 + f*P(f)) : 0, with
+// n = round(max(x, -127)) via the 1.5*2^23 trick and f = x - n in [-0.5, 0.5].
+
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float exp2s(float x) {
+  alignas(64) float t[16];
+  vstore(t, vexp2(vset(x)));
+  return t[0];
+}
+
+// Grow-only scratch shared by calls (a lock serialises calls): no page faults after warm-up.
+struct Arena {
+  void* p = nullptr;
+  size_t cap = 0;
+  template <class T>
+  T* get(size_t n) {
+    size_t bytes = std::max<size_t>(n * sizeof(T), 64);
+    if (bytes > cap) {
+      std::free(p);
+      cap = (bytes + 4095) & ~size_t(4095);
+      p = std::aligned_alloc(4096, cap);
+      if (!p) {
+        cap = 0;
+        throw std::bad_alloc();
+      }
+    }
+    return static_cast<T*>(p);
+  }
+};
+
+struct AlignedBuf {
+  void* p;
+  explicit AlignedBuf(size_t bytes) : p(std::aligned_alloc(64, (std::max<size_t>(bytes, 64) + 63) & ~size_t(63))) {}
+  ~AlignedBuf() { std::free(p); }
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+// Per-thread tiles: packed query rows, scores and probabilities of one tile, lane sums, temp.
+struct ThreadBuf {
+  AlignedBuf q, s, pr, lv, tmp;
+  int64_t q_item = -1;
+  ThreadBuf(int64_t R, int64_t D)
+      : q(R * D * 2), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4), tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
+};
+
+inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, uint16_t* q) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = r / a.n_q, i = r % a.n_q;
+    const uint16_t* src = a.q + it.b * a.q_sb + (it.h * a.G + g) * a.q_sh + i * a.q_sn;
+    std::memcpy(q + r * a.D, src, a.D * 2);
+  }
+}
+
+// Phase A: stream one unit's keys (and values) once; keep raw scores (log2 units) for the
+// ranking and the online-softmax state m, l, o of every query row.
+inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* srow, float* st, ThreadBuf& t) {
+  const Item& it = p.items[u.item];
+  const int64_t R = p.R, D = a.D, C = it.C;
+  if (t.q_item != u.item) {
+    pack_queries(a, it, R, t.q.as<uint16_t>());
+    t.q_item = u.item;
+  }
+  float* m = st;
+  float* l = st + R;
+  float* o = p.want_out ? st + 2 * R : nullptr;
+  float* lv = t.lv.as<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = kNegInf;
+    vstore(lv + r * kTile, vzero());
+  }
+  if (o) std::memset(o, 0, sizeof(float) * R * D);
+  const uint16_t* kb = a.k + it.b * a.k_sb + it.h * a.k_sh;
+  const uint16_t* vb = o ? a.v + it.b * a.v_sb + it.h * a.v_sh : nullptr;
+  const float c = a.scale * kLog2e;
+  const int64_t pf = int64_t(a.prefetch) * kTile;
+  float* s = t.s.as<float>();
+  float* pr = t.pr.as<float>();
+  for (int64_t s0 = u.start; s0 < u.end; s0 += kTile) {
+    const int n = int(std::min<int64_t>(kTile, u.end - s0));
+    if (pf && s0 + pf < u.end) {
+      const int npf = int(std::min<int64_t>(kTile, u.end - s0 - pf));
+      prefetch_rows(kb + (s0 + pf) * a.k_ss, a.k_ss, npf, D);
+      if (vb) prefetch_rows(vb + (s0 + pf) * a.v_ss, a.v_ss, npf, D);
+    }
+    score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.q.as<uint16_t>(), int(R), c, s, t.tmp.p);
+    for (int64_t r = 0; r < R; ++r) {
+      V x = vload(s + r * kTile);
+      if (n < kTile) x = vtail(x, n, kNegInf);
+      if (srow) vstore(srow + r * C + (s0 - u.start), x);
+      V lr = vload(lv + r * kTile);
+      const float tm = vhmax(x);
+      if (tm > m[r]) {  // rescale only when the running max grows (rare after the first tiles)
+        const float alpha = exp2s(m[r] - tm);
+        m[r] = tm;
+        lr = vmul(lr, vset(alpha));
+        if (o)
+          for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
+      }
+      const V e = vexp2(vsub(x, vset(m[r])));
+      vstore(lv + r * kTile, vadd(lr, e));
+      if (o) vstore(pr + r * kTile, e);
+    }
+    if (o) pv_tile(vb + s0 * a.v_ss, a.v_ss, n, int(D), pr, int(R), o, t.tmp.as<float>());
+  }
+  for (int64_t r = 0; r < R; ++r) l[r] = vhsum(vload(lv + r * kTile));
+}
+
+// Phase B: merge the units of one (item, row) in position order; write out and lse, keep the
+// final max and 1/normaliser for the ranking.
+inline void merge_row(const SelectArgs& a, const Plan& p, int64_t item, int64_t r, const float* states,
+                      int64_t st_stride, int64_t unit0, float* ml) {
+  const Item& it = p.items[item];
+  const int64_t R = p.R, D = a.D;
+  float M = kNegInf;
+  for (int64_t u = 0; u < it.n_units; ++u) M = std::max(M, states[(it.first_unit + u - unit0) * st_stride + r]);
+  std::vector<float> w(it.n_units);
+  float L = 0.f;
+  for (int64_t u = 0; u < it.n_units; ++u) {
+    const float* st = states + (it.first_unit + u - unit0) * st_stride;
+    w[u] = exp2s(st[r] - M);
+    L = L + st[R + r] * w[u];
+  }
+  const float inv = it.len > 0 ? 1.f / L : 0.f;
+  ml[item * 2 * R + r] = M;
+  ml[item * 2 * R + R + r] = inv;
+  const int64_t row = (it.b * a.KVH + it.h) * R + r;  // == (b*Hq + h*G + g)*n_q + i
+  if (a.lse) a.lse[row] = it.len > 0 ? (M + std::log2(L)) * kLn2 : kNegInf;
+  if (a.out) {
+    float* out = a.out + row * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+    for (int64_t u = 0; u < it.n_units; ++u) {
+      const float* o = states + (it.first_unit + u - unit0) * st_stride + 2 * R + r * D;
+      const float wu = w[u] * inv;
+      for (int64_t d = 0; d < D; ++d) out[d] += o[d] * wu;
+    }
+  }
+}
+
+// Phase C: importance[s] = sum_r 2^(score - M_r) / L_r, written over score row 0, and its histogram.
+inline void importance_unit(const Plan& p, const Unit& u, float* srow, const float* ml, uint16_t* hist) {
+  const Item& it = p.items[u.item];
+  const int64_t R = p.R, C = it.C, n = u.end - u.start;
+  const float* M = ml + u.item * 2 * R;
+  const float* inv = M + R;
+  for (int64_t j = 0; j < n; j += kTile) {
+    V acc = vzero();
+    for (int64_t r = 0; r < R; ++r) {
+      const V e = vexp2(vsub(vload(srow + r * C + j), vset(M[r])));
+      acc = vadd(acc, vmul(e, vset(inv[r])));
+    }
+    vstore(srow + j, acc);
+  }
+  unit_histogram(srow, n, hist);
+}
+
+inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Arena& hists_a) {
+  Plan p = make_plan(a);
+  const int64_t R = p.R;
+  const int64_t st_stride = R * (2 + (p.want_out ? a.D : 0));
+  float* scores = scores_a.get<float>(p.max_score_floats);
+  float* states = states_a.get<float>(p.max_wave_units * st_stride);
+  uint16_t* hists = hists_a.get<uint16_t>(p.want_topk ? p.max_wave_units * kBuckets : 1);
+  std::vector<float> ml(p.items.size() * 2 * R);
+  const int T = a.threads > 0 ? a.threads : omp_get_max_threads();
+#pragma omp parallel num_threads(T)
+  {
+    ThreadBuf t(R, a.D);
+    for (const Wave& w : p.waves) {
+      const int64_t nu = w.unit1 - w.unit0;
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < nu; ++x) {
+        const Unit& u = p.units[w.unit0 + x];
+        float* srow = p.items[u.item].select ? scores + u.slot : nullptr;
+        scan_unit(a, p, u, srow, states + x * st_stride, t);
+      }
+      const int64_t nrows = (w.item1 - w.item0) * R;
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < nrows; ++x)
+        merge_row(a, p, w.item0 + x / R, x % R, states, st_stride, w.unit0, ml.data());
+      if (!p.want_topk) continue;
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < nu; ++x) {  // same split as phase A: score rows are still in this core's L2
+        const Unit& u = p.units[w.unit0 + x];
+        if (p.items[u.item].select) importance_unit(p, u, scores + u.slot, ml.data(), hists + x * kBuckets);
+      }
+#pragma omp for schedule(dynamic)
+      for (int64_t i = w.item0; i < w.item1; ++i) {
+        Item& it = p.items[i];
+        if (it.select)
+          item_bucket(p, it, hists + (it.first_unit - w.unit0) * kBuckets, a.topk);
+        else
+          write_all_positions(a, it);
+      }
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < nu; ++x) {
+        Unit& u = p.units[w.unit0 + x];
+        if (p.items[u.item].select) unit_boundary(p, u, scores + u.slot);
+      }
+#pragma omp for schedule(dynamic)
+      for (int64_t i = w.item0; i < w.item1; ++i)
+        if (p.items[i].select) item_cutoff(p, p.items[i]);
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < nu; ++x) {
+        const Unit& u = p.units[w.unit0 + x];
+        const Item& it = p.items[u.item];
+        if (it.select) unit_emit(p, u, scores + u.slot, a.idx + (it.b * a.KVH + it.h) * a.topk);
+      }
+    }
+  }
+}
+
+// gather: one unit = (K or V, request, kv head, slice of 256 rows); dynamic for uneven slices.
+inline void run_gather(const GatherArgs& a) {
+  constexpr int64_t kSlice = 256, kAhead = 8;
+  const int64_t slices = (a.topk + kSlice - 1) / kSlice;
+  const int64_t units = 2 * a.B * a.KVH * slices;
+  const int64_t row_bytes = a.D * 2;
+  const int T = a.threads > 0 ? a.threads : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic) num_threads(T)
+  for (int64_t x = 0; x < units; ++x) {
+    const int64_t sl = x % slices, bh = (x / slices) % (a.B * a.KVH), kv = x / (slices * a.B * a.KVH);
+    const int64_t b = bh / a.KVH, h = bh % a.KVH;
+    const uint16_t* src = kv ? a.v + b * a.v_sb + h * a.v_sh : a.k + b * a.k_sb + h * a.k_sh;
+    const int64_t ss = kv ? a.v_ss : a.k_ss;
+    const int32_t* idx = a.idx + bh * a.topk;
+    uint16_t* dst = a.dst + (kv * a.B * a.KVH + bh) * a.topk * a.D;
+    const int64_t i0 = sl * kSlice, i1 = std::min(a.topk, i0 + kSlice);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kAhead < i1 && idx[i + kAhead] >= 0) prefetch_rows(src + idx[i + kAhead] * ss, ss, 1, a.D);
+      if (idx[i] >= 0)
+        copy_row(dst + i * a.D, src + idx[i] * ss, row_bytes);
+      else
+        zero_row(dst + i * a.D, row_bytes);
+    }
+    store_fence();
+  }
+}

@@ -1,0 +1,186 @@
+"""compiledllm._cpu_select against the float32 torch reference (CPU; both dispatch paths)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+cs = pytest.importorskip("compiledllm.kv.cpu_select")
+if not cs.extension_available():
+    pytest.skip("compiledllm._cpu_select is not built", allow_module_level=True)
+from compiledllm.kv.cpu_select_ref import gather_ref, importance_ref, select_ref  # noqa: E402
+
+PATHS = [False] + ([True] if cs.isa() == "avx512bf16" else [])  # portable=...; both when the CPU allows
+
+
+def _data(B, KVH, S, D, G, n_q, seed=0, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(B, KVH, S, D, generator=g) * spread).to(torch.bfloat16)
+    v = torch.randn(B, KVH, S, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, KVH * G, n_q, D, generator=g).to(torch.bfloat16)
+    return q, k, v
+
+
+def _check_topk(idx, ref_idx, imps, lengths, topk):
+    """Identical sets, except positions whose reference importance ties the k-th one (float32 tolerance)."""
+    B, KVH, _ = idx.shape
+    for b in range(B):
+        n = min(topk, int(lengths[b]))
+        for h in range(KVH):
+            got, want = idx[b, h], ref_idx[b, h]
+            assert torch.all(got[n:] == -1) and torch.all(got[:n] >= 0), "padding / count"
+            assert torch.all(got[:n][1:] > got[:n][:-1]), "positions must be strictly ascending"
+            a, w = set(got[:n].tolist()), set(want[:n].tolist())
+            if a == w:
+                continue
+            imp = imps[b][h]
+            kth = imp[want[:n].long()].min()
+            for x in a ^ w:
+                assert abs(float(imp[x] - kth)) <= 2e-5 * float(kth) + 1e-9, (b, h, x, float(imp[x]), float(kth))
+
+
+def _check(res, ref, q, k, lengths, topk, scale=None):
+    if res.out is not None:
+        torch.testing.assert_close(res.out, ref.out, rtol=1e-4, atol=2e-5)
+    if res.lse is not None:
+        finite = torch.isfinite(ref.lse)
+        assert torch.equal(torch.isfinite(res.lse), finite)
+        torch.testing.assert_close(res.lse[finite], ref.lse[finite], rtol=1e-5, atol=2e-5)
+    if topk is not None:
+        _check_topk(res.topk_idx, ref.topk_idx, importance_ref(q, k, lengths, scale), lengths, topk)
+
+
+GRID = [  # B, KVH, S, D, G, n_q, lengths, topk
+    (2, 2, 1000, 128, 4, 1, [1000, 777], 50),
+    (1, 4, 5003, 64, 2, 3, [5003], 301),
+    (3, 1, 300, 128, 8, 8, [0, 17, 300], 20),
+    (2, 2, 257, 64, 1, 1, [257, 1], 300),  # topk > every length
+    (1, 2, 4100, 128, 4, 32, [4099], 205),  # many rows: transposed key tiles
+    (2, 1, 999, 64, 8, 2, [998, 999], 998),  # topk = length, and length - 1
+    (1, 1, 129, 128, 1, 64, [129], 16),
+    (1, 2, 640, 32, 3, 5, [640], 0),
+]
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: "B{}_KVH{}_S{}_D{}_G{}_nq{}".format(*c[:6]))
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_select_matches_reference(case, portable):
+    B, KVH, S, D, G, n_q, lengths, topk = case
+    q, k, v = _data(B, KVH, S, D, G, n_q, seed=S)
+    res = cs.select(q, k, v, lengths, topk, portable=portable)
+    assert res.path == ("portable" if portable else cs.isa())
+    _check(res, select_ref(q, k, v, lengths, topk), q, k, lengths, topk)
+
+
+def test_paths_and_threads_agree_bitwise():
+    q, k, v = _data(2, 2, 6001, 128, 4, 2, seed=1)
+    lengths = [6001, 3001]
+    base = cs.select(q, k, v, lengths, 400, threads=1)
+    for kw in ({"threads": 2}, {"threads": 3, "portable": True}, {"threads": 2, "_score_budget": 1}):
+        other = cs.select(q, k, v, lengths, 400, **kw)
+        assert torch.equal(other.topk_idx, base.topk_idx), kw
+        assert torch.equal(other.lse, base.lse), kw
+        torch.testing.assert_close(other.out, base.out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_long_prefix_split_and_small_waves(portable):
+    """A prefix split into many units, scores held in several waves, a peaked distribution."""
+    q, k, v = _data(2, 2, 20011, 64, 2, 1, seed=7, spread=3.0)
+    lengths = [20011, 12345]
+    ref = select_ref(q, k, v, lengths, 1000)
+    res = cs.select(q, k, v, lengths, 1000, portable=portable, _score_budget=40000)
+    _check(res, ref, q, k, lengths, 1000)
+
+
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_exact_ties_prefer_lower_positions(portable):
+    g = torch.Generator().manual_seed(3)
+    B, KVH, S, D = 1, 2, 700, 64
+    k = torch.randint(-1, 2, (B, KVH, S, D), generator=g).to(torch.bfloat16)  # integer scores: exact ties
+    k[:, 1] = 1.0  # head 1: every position identical
+    q = torch.randint(-1, 2, (B, KVH * 2, 2, D), generator=g).to(torch.bfloat16)
+    res = cs.select(q, k, None, [S], 100, want_output=False, portable=portable, scale=0.125)
+    ref = select_ref(q, k, None, [S], 100, want_output=False, scale=0.125)
+    assert torch.equal(res.topk_idx, ref.topk_idx)
+    assert torch.equal(res.topk_idx[0, 1], torch.arange(100, dtype=torch.int32))
+
+
+def test_modes_and_strided_pool():
+    """Selection only (no V), output only, lse only; a pool view [slot, S, KVH, D] permuted."""
+    B, KVH, S, D, G = 3, 2, 900, 128, 4
+    pool_k = torch.randn(5, S, KVH, D).to(torch.bfloat16)
+    pool_v = torch.randn(5, S, KVH, D).to(torch.bfloat16)
+    k = pool_k[1:4].permute(0, 2, 1, 3)  # [B, KVH, S, D], position stride KVH*D
+    v = pool_v[1:4].permute(0, 2, 1, 3)
+    q = torch.randn(B, 4, KVH * G, D).to(torch.bfloat16).transpose(1, 2)  # non-contiguous q
+    lengths = torch.tensor([900, 451, 3], dtype=torch.int32)
+    ref = select_ref(q, k.contiguous(), v.contiguous(), lengths.tolist(), 64)
+    sel = cs.select(q, k, None, lengths, 64, want_output=False)
+    assert sel.out is None
+    _check(sel, ref, q, k.contiguous(), lengths.tolist(), 64)
+    both = cs.select(q, k, v, lengths, 64)
+    assert torch.equal(both.topk_idx, sel.topk_idx) and torch.equal(both.lse, sel.lse)
+    out_only = cs.select(q, k, v, lengths, None)
+    assert out_only.topk_idx is None
+    torch.testing.assert_close(out_only.out, ref.out, rtol=1e-4, atol=2e-5)
+    lse_only = cs.select(q, k, None, lengths, None, want_output=False)
+    assert torch.equal(lse_only.lse, sel.lse)
+    q32 = q.float()  # float32 queries are rounded to bf16
+    assert torch.equal(cs.select(q32, k, None, lengths, 64, want_output=False).topk_idx, sel.topk_idx)
+
+
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_gather_byte_exact(portable):
+    B, KVH, S, D = 3, 2, 500, 128
+    pool_k = torch.randn(B, S, KVH, D).to(torch.bfloat16)
+    k = pool_k.permute(0, 2, 1, 3)
+    v = torch.randn(B, KVH, S, D).to(torch.bfloat16)
+    q = torch.randn(B, KVH * 4, 1, D).to(torch.bfloat16)
+    idx = cs.select(q, k, None, [500, 300, 10], 37, want_output=False).topk_idx  # includes -1 rows
+    assert (idx == -1).any()
+    got = cs.gather(k, v, idx, portable=portable, pin_memory=False)
+    assert torch.equal(got.view(torch.int16), gather_ref(k, v, idx).view(torch.int16))
+    out = torch.full_like(got, 7.0)
+    assert cs.gather(k, v, idx, out=out, portable=portable) is out
+    assert torch.equal(out.view(torch.int16), got.view(torch.int16))
+    for unaligned in (torch.empty(got.numel() + 1, dtype=torch.bfloat16)[1:].view(got.shape),):
+        cs.gather(k, v, idx, out=unaligned, portable=portable)
+        assert torch.equal(unaligned.view(torch.int16), got.view(torch.int16))
+
+
+def test_read_probe():
+    buf = torch.arange(1 << 16, dtype=torch.int64)
+    assert cs.read_probe(buf) == int(buf.sum())
+
+
+def _bad(exc, match, fn, *args, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def test_bad_arguments():
+    q, k, v = _data(1, 2, 64, 64, 2, 1)
+    L = [64]
+    _bad(TypeError, "k_cache must be bfloat16", cs.select, q, k.float(), v, L, 4)
+    _bad(TypeError, "k_cache must be a torch.Tensor", cs.select, q, k.numpy, v, L, 4)
+    _bad(ValueError, "k_cache must be 4-D", cs.select, q, k[0], v, L, 4)
+    _bad(ValueError, "v_cache is required", cs.select, q, k, None, L, 4)
+    _bad(ValueError, "v_cache must have shape", cs.select, q, k, v[:, :1], L, 4)
+    _bad(ValueError, "k_cache must be contiguous in its last dim", cs.select, q, k.transpose(2, 3), v, L, 4)
+    _bad(ValueError, "head_dim must be a multiple of 32", cs.select, q[..., :48], k[..., :48], v[..., :48], L, 4)
+    _bad(TypeError, "q must be bfloat16 or float32", cs.select, q.half(), k, v, L, 4)
+    _bad(ValueError, "q heads", cs.select, q[:, :3], k, v, L, 4)
+    _bad(ValueError, "1 <= G <= 8", cs.select, q.repeat(1, 9, 1, 1), k, v, L, 4)
+    _bad(ValueError, "1..64 query tokens", cs.select, q.repeat(1, 1, 65, 1), k, v, L, 4)
+    _bad(ValueError, "lengths must lie in", cs.select, q, k, v, [65], 4)
+    _bad(ValueError, "lengths must have B=1", cs.select, q, k, v, [3, 4], 4)
+    _bad(TypeError, "lengths must be an integer tensor", cs.select, q, k, v, torch.tensor([3.0]), 4)
+    _bad(ValueError, "topk must be an int", cs.select, q, k, v, L, -1)
+    _bad(ValueError, "scale must be a positive", cs.select, q, k, v, L, 4, scale=0.0)
+    _bad(ValueError, "threads must be an int", cs.select, q, k, v, L, 4, threads=-2)
+    _bad(ValueError, "nothing requested", cs.select, q, k, v, L, None, want_output=False, want_lse=False)
+    idx = torch.zeros(1, 2, 4, dtype=torch.int32)
+    _bad(TypeError, "topk_idx must be int32", cs.gather, k, v, idx.long())
+    _bad(ValueError, "topk_idx must be a CPU tensor", cs.gather, k, v, idx[:, :1])
+    _bad(ValueError, "topk_idx holds position 64", cs.gather, k, v, idx + 64)
+    _bad(ValueError, "out must be a contiguous", cs.gather, k, v, idx, out=torch.empty(3))
