@@ -25,11 +25,11 @@ def fail(message: str) -> None:
 
 def summary_table(summary) -> Table:
     table = Table(title=f"{summary.model} · {summary.policy} · {summary.device}")
-    for col in ("prompts", "tokens", "forwards", "tokens/forward", "tokens/s", "wall s", "load s"):
+    for col in ("prompts", "tokens", "forwards", "tokens/forward", "tokens/s", "wall s", "load s", "startup s"):
         table.add_column(col, justify="right")
     table.add_row(str(summary.prompts), str(summary.tokens), str(summary.forwards),
                   f"{summary.tokens_per_forward:.2f}", f"{summary.tokens_per_s:.1f}", f"{summary.wall_s:.2f}",
-                  f"{summary.load_s:.2f}")
+                  f"{summary.load_s:.2f}", f"{summary.startup_s:.2f}")
     return table
 
 
@@ -69,6 +69,44 @@ def version() -> None:
     from compiledllm import __version__
 
     console.print(__version__)
+
+
+def eval_table(name: str, entry: dict) -> Table:
+    table = Table(title=f"{name} · {entry['tasks']} tasks · {entry['max_new_tokens']} new tokens · "
+                        f"agreement with {entry['reference']}")
+    table.add_column("policy", no_wrap=True)
+    for col in ("EM", "tok acc", "prefix", "agree", "agree EM", "forwards", "tok/fwd", "tok/s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for label, m in entry["policies"].items():
+        table.add_row(label, f"{m['exact_match']:.3f}", f"{m['token_accuracy']:.3f}", f"{m['prefix_tokens']:.2f}",
+                      f"{m['agreement']:.3f}", f"{m['agreement_exact']:.3f}", str(m["forwards"]),
+                      f"{m['tokens_per_forward']:.2f}", f"{m['tokens_per_s']:.1f}")
+    return table
+
+
+@app.command("eval")
+def eval_(
+    recipe: Path = typer.Argument(..., help="Eval recipe YAML file (model, policies, task files)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report JSON (overrides the recipe's output)."),
+) -> None:
+    """Decode every task of RECIPE with each policy; print quality and speed per policy and write a JSON report."""
+    from compiledllm.evaluate import load_eval_recipe, run_eval
+
+    try:
+        rec = load_eval_recipe(recipe, set_)
+        with Progress(TextColumn("[bold]eval[/] {task.description}"), TimeElapsedColumn(), console=err_console,
+                      transient=True) as progress:
+            task = progress.add_task("loading", total=None)
+            report = run_eval(rec, on_progress=lambda s: progress.update(task, description=s))
+    except UserError as e:
+        fail(str(e))
+    for name, entry in report["files"].items():
+        console.print(eval_table(name, entry))
+    out = output if output is not None else (Path(rec.output) if rec.output else None)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {out}")
 
 
 def main() -> None:

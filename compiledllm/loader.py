@@ -135,6 +135,25 @@ def resolve_special_ids(model: BlockDiffusionLM, tokenizer: TextTokenizer | None
         setattr(model, f"{kind}_token_id", int(value))
 
 
+def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: int = 0,
+                 mask_token_id: int | None = None, eos_token_id: int | None = None) -> BlockDiffusionLM:
+    """A model with deterministic random weights, built directly on `device`, from a preset name
+    (models/presets.py) or an inline config.json mapping: real-size shapes for benchmarks without checkpoints."""
+    from compiledllm.builtin import init_random
+    from compiledllm.models.presets import PRESETS
+
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise UserError(f"model.config: unknown preset {config!r} (presets: {', '.join(PRESETS)})")
+        source, config = f"preset {config}", PRESETS[config]
+    else:
+        source = "model.config"
+    model = materialize(parse_model_config(config, source), device, parse_dtype(dtype))
+    init_random(model, seed)
+    resolve_special_ids(model, None, mask_token_id, eos_token_id, source)
+    return model
+
+
 def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
                eos_token_id: int | None = None) -> BlockDiffusionLM:
     """Load a Hugging Face-layout checkpoint directory (or a built-in model name) onto `device`."""

@@ -17,11 +17,27 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str = "tiny-llada2-random"
+    path: str = "tiny-llada2-random"   # checkpoint directory or built-in name (init: checkpoint)
+    init: Literal["checkpoint", "random"] = "checkpoint"
+    config: str | dict[str, Any] | None = None  # init: random -> a preset name or an inline config.json mapping
+    architecture: str | None = None     # optional check of the config's architecture (init: random)
+    seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     mask_token_id: int | None = Field(default=None, ge=0)
     eos_token_id: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _source(self):
+        if self.init == "random" and self.config is None:
+            raise ValueError("init: random needs config (a preset name or an inline config.json mapping)")
+        if self.init == "checkpoint" and (self.config is not None or self.architecture is not None):
+            raise ValueError("config/architecture are for init: random; a checkpoint brings its own config.json")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.path if self.init == "checkpoint" else f"random:{self.config if isinstance(self.config, str) else 'inline'}"
 
 
 class GenerationSpec(_Strict):
@@ -50,6 +66,8 @@ class Recipe(_Strict):
     prompts_file: str | None = None
     batch_size: int = Field(default=8, ge=1)
     compile: bool = False
+    cuda_graphs: bool = True                        # on CUDA: capture the step per batch-size bucket
+    buckets: list[int] | None = None                # batch-size buckets (default: powers of two up to batch_size)
     output: str | None = "results.jsonl"
     base_dir: str = Field(default=".", exclude=True)  # where relative paths in the recipe resolve
 

@@ -9,10 +9,10 @@ from typing import Callable
 
 from compiledllm.engine import Engine, GenerationResult
 from compiledllm.errors import UserError
-from compiledllm.loader import load_model
+from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies import policy_name
-from compiledllm.recipe import PromptSpec, Recipe, load_recipe
+from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,20 @@ class Summary:
     wall_s: float
     tokens_per_s: float
     load_s: float
+    startup_s: float  # compile / CUDA-graph capture before the first step
     compile: bool
+
+
+def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
+    if m.init == "random":
+        model = build_random(m.config, device=m.device, dtype=m.dtype, seed=m.seed, mask_token_id=m.mask_token_id,
+                             eos_token_id=m.eos_token_id)
+        if m.architecture is not None and m.architecture != model.config.architecture:
+            raise UserError(f"model.architecture: {m.architecture!r} but the config describes "
+                            f"{model.config.architecture!r}")
+        return model
+    return load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
+                      eos_token_id=m.eos_token_id)
 
 
 def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:
@@ -57,12 +70,12 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
             output: Path | None = None) -> tuple[list[GenerationResult], Summary]:
     t0 = time.perf_counter()
     m = recipe.model
-    model = load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
-                       eos_token_id=m.eos_token_id)
+    model = load_from_spec(m)
     load_s = time.perf_counter() - t0
     prompts = encode_prompts(model, recipe.load_prompts())
     engine = Engine(model, recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
-                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile)
+                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
+                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets)
     if on_start is not None:
         on_start(len(prompts))
     sink = output.open("w") if output is not None else None
@@ -76,16 +89,16 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
 
         t1 = time.perf_counter()
         results = engine.generate(prompts, on_result=record)
-        wall = time.perf_counter() - t1
+        wall = time.perf_counter() - t1 - engine.startup_s
     finally:
         if sink is not None:
             sink.close()
     tokens = sum(len(r.output_ids) for r in results)
     forwards = sum(r.steps for r in results)
-    summary = Summary(model=m.path, policy=policy_name(recipe.policy_config()), device=str(model.device),
+    summary = Summary(model=m.name, policy=policy_name(recipe.policy_config()), device=str(model.device),
                       prompts=len(results), tokens=tokens, forwards=forwards,
                       tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
-                      load_s=load_s, compile=recipe.compile)
+                      load_s=load_s, startup_s=engine.startup_s, compile=recipe.compile)
     return results, summary
 
 

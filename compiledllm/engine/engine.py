@@ -16,7 +16,7 @@ import torch
 from compiledllm.attention.metadata import DenseAttention, block_causal_mask
 from compiledllm.engine.memory import check_fits
 from compiledllm.engine.state import SlotState
-from compiledllm.engine.step import decode_step
+from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
@@ -41,7 +41,8 @@ def working_length(prompt_len: int, max_new_tokens: int, block: int) -> int:
 
 class Engine:
     def __init__(self, model: BlockDiffusionLM, policy: dict | PolicyConfig, *, max_new_tokens: int,
-                 batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False):
+                 batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False,
+                 cuda_graphs: bool = True, buckets: list[int] | None = None):
         if max_new_tokens < 1:
             raise UserError(f"generation.max_new_tokens must be >= 1, got {max_new_tokens}")
         self.model = model
@@ -51,7 +52,9 @@ class Engine:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.compile = compile
-        self._step = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self.buckets = buckets
+        self.startup_s = 0.0  # compile / capture time of the last generate()
 
     def capacity_for(self, prompts: list[list[int]]) -> int:
         need = max(working_length(len(p), self.max_new_tokens, self.block) for p in prompts)
@@ -90,13 +93,19 @@ class Engine:
         except torch.OutOfMemoryError:
             raise UserError(f"batch_size {slots} with {capacity} positions does not fit in {device} memory") from None
 
+        buckets = self.buckets or (default_buckets(slots) if self.cuda_graphs or not self.compile else [slots])
+        if max(buckets) < slots:
+            buckets = [*buckets, slots]
+        stepper = Stepper(model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs)
+        self.startup_s = stepper.startup_s
+
         queue = deque(enumerate(prompts))
         owner: list[tuple[int, float] | None] = [None] * slots
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(slots):
             owner[s] = self._admit(st, kv, s, *queue.popleft())
         while any(o is not None for o in owner):
-            self._step(model, self.policy, st, kv)
+            stepper.run(1 + max(s for s, o in enumerate(owner) if o is not None))
             active = st.active.tolist()  # the one host sync per step
             for s, o in enumerate(owner):
                 if o is None or active[s]:
@@ -135,8 +144,9 @@ class Engine:
 
 
 def generate(model: BlockDiffusionLM, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,
-             batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False) -> list[GenerationResult]:
+             batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False,
+             cuda_graphs: bool = True) -> list[GenerationResult]:
     """Decode every prompt (token ids) with the policy; one result per prompt, in order."""
     engine = Engine(model, policy, max_new_tokens=max_new_tokens, batch_size=batch_size, max_seq_len=max_seq_len,
-                    compile=compile)
+                    compile=compile, cuda_graphs=cuda_graphs)
     return engine.generate(prompts)

@@ -24,3 +24,8 @@ class SlotState:
         return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
                    work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
                    steps=zeros(), policy=policy_state)
+
+    def view(self, rows: int) -> "SlotState":
+        """The first `rows` slots, as views: a step on the view updates these buffers in place."""
+        return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
+                         self.active[:rows], self.steps[:rows], {k: v[:rows] for k, v in self.policy.items()})

@@ -1,0 +1,76 @@
+"""Runs the decode step on a batch-size bucket: eagerly, through torch.compile, or as a replayed CUDA graph.
+
+A bucket is the first `b` slots (views of the static buffers); the engine picks the smallest bucket that
+holds every active slot. On CUDA every bucket is captured once at start-up, sharing one memory pool;
+a replay runs the whole step (forward, acceptance, bookkeeping) with no host work.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from compiledllm.engine.state import SlotState
+from compiledllm.engine.step import decode_step
+from compiledllm.kv.cache import KVCache
+from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.policies.base import Policy
+
+
+def default_buckets(slots: int) -> list[int]:
+    sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+    return sizes + [slots]
+
+
+class Stepper:
+    def __init__(self, model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None,
+                 buckets: list[int], compile: bool, cuda_graphs: bool):
+        self.model, self.policy = model, policy
+        self.buckets = sorted(set(buckets))
+        self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b)) for b in self.buckets}
+        if compile:
+            # One compiled graph per bucket shape (static shapes keep the generated kernels specialised).
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 2)
+            self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        else:
+            self.fn = decode_step
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.startup_s = 0.0
+        if cuda_graphs:
+            t0 = time.perf_counter()
+            self._capture()
+            self.startup_s = time.perf_counter() - t0
+        elif compile:
+            t0 = time.perf_counter()
+            for b in self.buckets:  # compile up front so the first requests do not pay for it
+                self.fn(self.model, self.policy, *self.views[b])
+            self.startup_s = time.perf_counter() - t0
+
+    def _capture(self) -> None:
+        """Warm up (and compile) each bucket on a side stream, then capture it. Runs while every slot is idle,
+        so the warm-up steps change no request's tokens."""
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):  # largest first: later graphs reuse its pool memory
+            args = (self.model, self.policy, *self.views[b])
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.fn(*args)
+            self.graphs[b] = graph
+
+    def bucket_for(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, rows: int) -> None:
+        """One decode step over (at least) the first `rows` slots."""
+        b = self.bucket_for(rows)
+        graph = self.graphs.get(b)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.fn(self.model, self.policy, *self.views[b])

@@ -1,0 +1,265 @@
+"""Quality evaluation: decode task files with several policies and measure what each one costs.
+
+A task file is JSONL, one task a line: the prompt (`prompt_ids`, or `prompt` text) and the reference
+continuation (`reference_ids`, or `reference` text), optionally an `id`. Token ids take precedence (they are
+the exact token boundary of the original text; re-encoding prompt and reference separately can split a
+token differently); an eval recipe with `tokens: text` encodes the text fields instead (for other models).
+
+Per policy and task file it reports:
+  exact_match      share of tasks whose first len(reference) generated tokens equal the reference
+  token_accuracy   share of reference tokens matched position by position (micro average)
+  prefix_tokens    mean length of the matching prefix, in tokens
+  agreement        share of generated positions equal to the reference policy's output (micro average)
+  agreement_exact  share of tasks whose output equals the reference policy's output
+  forwards, tokens, tokens_per_forward, wall_s, tokens_per_s (prefill forwards are not counted)
+The reference policy is the exact decode the others are compared with: the first policy unless `reference`
+names another (by label or index).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from compiledllm.errors import UserError
+from compiledllm.recipe import ModelSpec, parse_overrides, set_path
+
+TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EvalRecipe(_Strict):
+    model: ModelSpec = ModelSpec()
+    tasks: list[str] = Field(min_length=1)                      # JSONL task files (relative to the recipe)
+    policies: list[dict[str, Any]] = Field(min_length=1)        # policy params, plus an optional `label`
+    reference: int | str | None = None                          # label or index of the reference policy
+    max_new_tokens: int | None = Field(default=None, ge=1)      # default: the longest reference of a file
+    batch_size: int = Field(default=16, ge=1)
+    limit: int | None = Field(default=None, ge=1)               # first N tasks of each file
+    tokens: Literal["ids", "text"] = "ids"
+    compile: bool = False
+    save_outputs: bool = False                                  # include every generated token list in the JSON
+    output: str | None = "eval_results.json"
+    base_dir: str = Field(default=".", exclude=True)
+
+    @model_validator(mode="after")
+    def _check(self):
+        labels = policy_labels(self.policies)  # validates every policy's parameters
+        reference_index(self.reference, labels)
+        return self
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path)
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    prompt_ids: list[int]
+    reference_ids: list[int]
+
+
+def policy_labels(policies: list[dict]) -> list[str]:
+    """A unique label per policy: its `label`, else name(param=value, ...) of the parameters given."""
+    from compiledllm.policies import policy_config
+
+    labels = []
+    for i, p in enumerate(policies):
+        params = {k: v for k, v in p.items() if k != "label"}
+        try:
+            policy_config(params)
+        except UserError as e:
+            raise UserError(f"policies[{i}]: {e}") from None
+        label = p.get("label") or "{}({})".format(
+            params.get("name"), ",".join(f"{k}={v}" for k, v in params.items() if k != "name"))
+        labels.append(str(label))
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise UserError(f"policies: duplicate label {dup[0]!r} (give each policy a distinct `label`)")
+    return labels
+
+
+def reference_index(reference: int | str | None, labels: list[str]) -> int:
+    if reference is None:
+        return 0
+    if isinstance(reference, int):
+        if not 0 <= reference < len(labels):
+            raise UserError(f"reference: index {reference} is outside [0, {len(labels)})")
+        return reference
+    if reference not in labels:
+        raise UserError(f"reference: {reference!r} is not a policy label ({', '.join(labels)})")
+    return labels.index(reference)
+
+
+def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | None = None) -> list[Task]:
+    if not file.exists():
+        raise UserError(f"task file {file} not found")
+    tasks = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if limit is not None and len(tasks) >= limit:
+            break
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{file}:{n}: malformed JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{file}:{n}: a task is a JSON object")
+        ids = {}
+        for key in ("prompt", "reference"):
+            if tokens == "ids" and rec.get(f"{key}_ids") is not None:
+                ids[key] = [int(t) for t in rec[f"{key}_ids"]]
+            elif isinstance(rec.get(key), str):
+                if tokenizer is None:
+                    raise UserError(f"{file}:{n}: {key} is text but the model has no tokenizer.json")
+                ids[key] = tokenizer.encode(rec[key])
+            else:
+                raise UserError(f"{file}:{n}: needs {key} (text) or {key}_ids")
+        if not ids["prompt"] or not ids["reference"]:
+            raise UserError(f"{file}:{n}: empty prompt or reference")
+        tasks.append(Task(str(rec.get("id", f"{file.stem}/{n}")), ids["prompt"], ids["reference"]))
+    if not tasks:
+        raise UserError(f"task file {file} holds no tasks")
+    return tasks
+
+
+def continuation_scores(outputs: list[list[int]], references: list[list[int]]) -> dict:
+    correct = total = exact = prefix = 0
+    for out, ref in zip(outputs, references):
+        head = out[: len(ref)]
+        match = [a == b for a, b in zip(head, ref)]
+        correct += sum(match)
+        total += len(ref)
+        exact += head == ref
+        prefix += next((i for i, m in enumerate(match) if not m), len(match))
+    n = max(len(references), 1)
+    return {"exact_match": exact / n, "token_accuracy": correct / max(total, 1), "prefix_tokens": prefix / n}
+
+
+def agreement_scores(outputs: list[list[int]], reference_outputs: list[list[int]]) -> dict:
+    same = total = exact = 0
+    for out, ref in zip(outputs, reference_outputs):
+        total += max(len(out), len(ref))
+        same += sum(a == b for a, b in zip(out, ref))
+        exact += out == ref
+    return {"agreement": same / max(total, 1), "agreement_exact": exact / max(len(outputs), 1)}
+
+
+def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
+             batch_size: int = 16, reference: int | str | None = None, compile: bool = False,
+             on_policy: Callable[[str], None] | None = None) -> dict:
+    """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":
+    {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given)."""
+    from compiledllm.engine import Engine
+
+    labels = policy_labels(policies)
+    ref_i = reference_index(reference, labels)
+    n_new = max_new_tokens or max(len(t.reference_ids) for t in tasks)
+    prompts = [t.prompt_ids for t in tasks]
+    refs = [t.reference_ids for t in tasks]
+    outputs: dict[str, list[list[int]]] = {}
+    metrics: dict[str, dict] = {}
+    order = [ref_i] + [i for i in range(len(policies)) if i != ref_i]  # the reference decodes first
+    for i in order:
+        label = labels[i]
+        if on_policy is not None:
+            on_policy(label)
+        params = {k: v for k, v in policies[i].items() if k != "label"}
+        engine = Engine(model, params, max_new_tokens=n_new, batch_size=batch_size, compile=compile)
+        t0 = time.perf_counter()
+        results = engine.generate(prompts)
+        if model.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(model.device)
+        wall = time.perf_counter() - t0
+        outs = [r.output_ids for r in results]
+        tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
+        outputs[label] = outs
+        metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
+                          "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
+                          "tokens_per_s": tokens / max(wall, 1e-9)}
+    for label in labels:
+        metrics[label] |= agreement_scores(outputs[label], outputs[labels[ref_i]])
+    return {"tasks": len(tasks), "max_new_tokens": n_new, "reference": labels[ref_i],
+            "policies": {label: metrics[label] for label in labels}, "outputs": {lb: outputs[lb] for lb in labels}}
+
+
+def load_eval_recipe(source: str | Path | dict | EvalRecipe, overrides: list[str] | None = None) -> EvalRecipe:
+    if isinstance(source, EvalRecipe) and not overrides:
+        return source
+    name, base = "eval recipe", "."
+    if isinstance(source, EvalRecipe):
+        data, base = source.model_dump(exclude_unset=True), source.base_dir
+    elif isinstance(source, dict):
+        data = dict(source)
+        base = data.pop("base_dir", ".")
+    else:
+        path = Path(source)
+        name, base = str(path), str(path.parent)
+        if not path.exists():
+            raise UserError(f"{path}: eval recipe not found")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise UserError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: an eval recipe is a YAML mapping")
+    for key, value in parse_overrides(overrides or []):
+        set_path(data, key, value)
+    try:
+        return EvalRecipe.model_validate({**data, "base_dir": base})
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise UserError(f"{name}: {loc + ': ' if loc else ''}{msg}") from None
+    except UserError as e:
+        raise UserError(f"{name}: {e}") from None
+
+
+def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None = None,
+             on_progress: Callable[[str], None] | None = None, model=None) -> dict:
+    """Run an eval recipe: load the model, evaluate every task file. Returns the report (JSON-ready);
+    writes nothing. A loaded `model` may be passed to skip loading."""
+    from compiledllm.loader import load_model
+
+    rec = load_eval_recipe(recipe, overrides)
+    m = rec.model
+    t0 = time.perf_counter()
+    if model is None:
+        model = load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
+                           eos_token_id=m.eos_token_id)
+    report = {"model": m.path, "device": str(model.device), "dtype": m.dtype, "batch_size": rec.batch_size,
+              "load_s": time.perf_counter() - t0, "files": {}}
+    for path in rec.tasks:
+        file = rec.resolve(path)
+        tasks = load_tasks(file, model.tokenizer, rec.tokens, rec.limit)
+        res = evaluate(model, tasks, rec.policies, max_new_tokens=rec.max_new_tokens, batch_size=rec.batch_size,
+                       reference=rec.reference, compile=rec.compile,
+                       on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")))
+        entry = {"path": str(path), **{k: v for k, v in res.items() if k != "outputs"}}
+        if rec.save_outputs:
+            entry["outputs"] = res["outputs"]
+        report["files"][file.name] = entry
+    return report
+
+
+def quality_numbers(report: dict) -> dict:
+    """The report without timings: what must be identical when the same eval runs twice."""
+    return {name: {label: {k: v for k, v in met.items() if k not in TIMING_KEYS}
+                   for label, met in f["policies"].items()} for name, f in report["files"].items()}
+
+
+__all__ = ["EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
+           "continuation_scores", "agreement_scores"]
