@@ -46,6 +46,7 @@ class EvalRecipe(_Strict):
     limit: int | None = Field(default=None, ge=1)               # first N tasks of each file
     tokens: Literal["ids", "text"] = "ids"
     compile: bool = False
+    cuda_graphs: bool = True                                    # on CUDA: capture the step per batch bucket
     save_outputs: bool = False                                  # include every generated token list in the JSON
     output: str | None = "eval_results.json"
     base_dir: str = Field(default=".", exclude=True)
@@ -157,7 +158,7 @@ def agreement_scores(outputs: list[list[int]], reference_outputs: list[list[int]
 
 def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
              batch_size: int = 16, reference: int | str | None = None, compile: bool = False,
-             on_policy: Callable[[str], None] | None = None) -> dict:
+             cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None) -> dict:
     """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":
     {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given)."""
     from compiledllm.engine import Engine
@@ -175,14 +176,15 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
         if on_policy is not None:
             on_policy(label)
         params = {k: v for k, v in policies[i].items() if k != "label"}
-        engine = Engine(model, params, max_new_tokens=n_new, batch_size=batch_size, compile=compile)
+        engine = Engine(model, params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
+                        cuda_graphs=cuda_graphs)
         t0 = time.perf_counter()
         results = engine.generate(prompts)
         if model.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(model.device)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - engine.startup_s  # compile / graph capture is not decoding time
         outs = [r.output_ids for r in results]
         tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
         outputs[label] = outs
@@ -232,21 +234,20 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
              on_progress: Callable[[str], None] | None = None, model=None) -> dict:
     """Run an eval recipe: load the model, evaluate every task file. Returns the report (JSON-ready);
     writes nothing. A loaded `model` may be passed to skip loading."""
-    from compiledllm.loader import load_model
+    from compiledllm.runner import load_from_spec
 
     rec = load_eval_recipe(recipe, overrides)
     m = rec.model
     t0 = time.perf_counter()
     if model is None:
-        model = load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
-                           eos_token_id=m.eos_token_id)
-    report = {"model": m.path, "device": str(model.device), "dtype": m.dtype, "batch_size": rec.batch_size,
+        model = load_from_spec(m)
+    report = {"model": m.name, "device": str(model.device), "dtype": m.dtype, "batch_size": rec.batch_size,
               "load_s": time.perf_counter() - t0, "files": {}}
     for path in rec.tasks:
         file = rec.resolve(path)
         tasks = load_tasks(file, model.tokenizer, rec.tokens, rec.limit)
         res = evaluate(model, tasks, rec.policies, max_new_tokens=rec.max_new_tokens, batch_size=rec.batch_size,
-                       reference=rec.reference, compile=rec.compile,
+                       reference=rec.reference, compile=rec.compile, cuda_graphs=rec.cuda_graphs,
                        on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")))
         entry = {"path": str(path), **{k: v for k, v in res.items() if k != "outputs"}}
         if rec.save_outputs:

@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Train the shipped tiny LLaDA2-layout block-diffusion model on the Python standard library, then evaluate it.
+
+One run does everything (so one GPU call produces the checkpoint and its numbers):
+  1. corpus: the running interpreter's stdlib *.py files, split train / held out by sha1(relative path)
+     (tools/tiny_data.py says exactly which files);
+  2. tokenizer: byte-level BPE trained on the training files (<|endoftext|> EOS, <|pad|>, <|mask|>);
+  3. task files from held-out files: code_short.jsonl (continue a function body) and code_long.jsonl
+     (1,500-1,920 tokens of context; the continuation uses an identifier defined >= 1,000 tokens above);
+  4. training with the project's own model class (LLaDA2 MoE layout: dense first layer, 8 experts top-2 with
+     a shared expert, group-limited routing, q/k norm, partial RoPE), objective below, AdamW + cosine, bf16
+     autocast on CUDA, stopped by step count or wall clock;
+  5. checkpoint in HF layout (compiledllm.save.save_model) + model card;
+  6. held-out evaluation of the saved checkpoint: masked-token accuracy by masking ratio, `threshold`
+     (tau 0.95, 0.9) and `t2t` on both task files through the engine, and a bigram baseline.
+
+Objective (BD3-LM / LLaDA2 block diffusion + LLaDA2.1 token-to-token editing), per sequence x0 of L tokens:
+  * block size drawn per sequence from {4, 8, 16, 32, 64}, or the whole sequence (plain bidirectional
+    masked diffusion) with probability --p-bidir;
+  * per block a masking ratio t ~ U(0, 1); each token masked with probability t;
+  * with probability --p-t2t a sequence also gets a share r ~ U(0, --max-corrupt) of its visible tokens
+    replaced by random tokens;
+  * the model sees [x_t ; x0] (2L tokens, both with positions 0..L-1) under the block-diffusion mask: noisy
+    block i sees noisy block i and clean blocks < i; clean block i sees clean blocks <= i;
+  * loss: cross entropy on the noisy copy against x0, weight 1 on masked and on replaced tokens, --keep-weight
+    on the other visible tokens (so the model also learns when a visible token is right), normalised by the
+    total weight.
+MoE routers are balanced without an auxiliary loss (DeepSeek-V3 style): after each step every layer's
+expert_bias moves by --bias-rate towards equal expert load.
+
+Usage (the shipped checkpoint): python tools/train_tiny.py --out /tmp/tiny --time-budget 420
+Smoke test: python tools/train_tiny.py --preset tiny --steps 3 --max-files 40 --out /tmp/t
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_data as D  # noqa: E402
+
+from compiledllm.attention.metadata import DenseAttention  # noqa: E402
+from compiledllm.builtin import init_random  # noqa: E402
+from compiledllm.loader import load_model, materialize, parse_model_config  # noqa: E402
+from compiledllm.models.layers import MoE  # noqa: E402
+from compiledllm.save import save_model  # noqa: E402
+from compiledllm.tokenizer import TextTokenizer  # noqa: E402
+
+BLOCK_SIZES = (4, 8, 16, 32, 64)
+RATIOS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+EVAL_POLICIES = [
+    {"label": "threshold-0.95", "name": "threshold", "block_size": 32, "threshold": 0.95},
+    {"label": "threshold-0.9", "name": "threshold", "block_size": 32, "threshold": 0.9},
+    {"label": "t2t", "name": "t2t", "block_size": 32, "threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16},
+]
+
+# Architecture of each preset (vocab_size and max_position_embeddings are filled in from the run).
+PRESETS = {
+    "full": {"hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 96, "num_hidden_layers": 6,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
+             "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+             "run": {"vocab": 4096, "seq_len": 2048, "batch": 16},
+             "tasks": {"n_short": 64, "n_long": 64, "ref_len": 32}},
+    "tiny": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
+             "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+             "run": {"vocab": 384, "seq_len": 128, "batch": 2},
+             "tasks": {"n_short": 4, "n_long": 4, "ref_len": 8, "short_max_prompt": 48, "long_min_prompt": 64,
+                       "long_max_prompt": 96, "far": 24, "quiet": 8, "short_pre": 8}},
+}
+
+
+def hf_config(preset: str, vocab: int, seq_len: int) -> dict:
+    arch = {k: v for k, v in PRESETS[preset].items() if k not in ("run", "tasks")}
+    return {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": vocab, **arch,
+            "num_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "max_position_embeddings": seq_len, "tie_word_embeddings": False, "use_qk_norm": True,
+            "use_qkv_bias": False, "use_bias": False, "mask_token_id": D.MASK, "eos_token_id": D.EOS,
+            "pad_token_id": D.PAD, "block_size": 32}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output dir: checkpoint/, tasks/, results.json, ...")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    ap.add_argument("--corpus", type=Path, default=None, help="source root (default: this interpreter's stdlib)")
+    ap.add_argument("--max-files", type=int, default=None, help="use only the first N files (smoke tests)")
+    ap.add_argument("--holdout", type=float, default=0.10)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: fill --time-budget)")
+    ap.add_argument("--time-budget", type=float, default=420.0, help="training wall-clock seconds")
+    ap.add_argument("--deadline", type=float, default=None, help="whole-script seconds; eval is trimmed to fit")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--p-bidir", type=float, default=0.2)
+    ap.add_argument("--p-t2t", type=float, default=0.5)
+    ap.add_argument("--max-corrupt", type=float, default=0.2)
+    ap.add_argument("--keep-weight", type=float, default=0.1)
+    ap.add_argument("--bias-rate", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--eval", choices=("full", "quick", "none"), default="full")
+    ap.add_argument("--package", type=Path, default=None,
+                    help="also copy the weights and a bundle.tar.gz of everything else here, after saving and at the end")
+    args = ap.parse_args(argv)
+    run = PRESETS[args.preset]["run"]
+    args.vocab = args.vocab or run["vocab"]
+    args.seq_len = args.seq_len or run["seq_len"]
+    args.batch = args.batch or run["batch"]
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return args
+
+
+class Log:
+    def __init__(self, path: Path):
+        self.file = path.open("w")
+        self.t0 = time.time()
+
+    def __call__(self, msg: str, **rec) -> None:
+        print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True)
+        if rec:
+            self.file.write(json.dumps({"t": round(time.time() - self.t0, 2), **rec}) + "\n")
+            self.file.flush()
+
+
+# --------------------------------------------------------------------------------------------- objective
+
+def block_ids(batch: int, length: int, gen, device, p_bidir: float) -> torch.Tensor:
+    """[B, L] block index of every position; one block size per sequence (L = bidirectional)."""
+    choice = torch.randint(0, len(BLOCK_SIZES), (batch,), generator=gen, device=device)
+    blk = torch.tensor(BLOCK_SIZES, device=device)[choice]
+    blk = torch.where(torch.rand(batch, generator=gen, device=device) < p_bidir, length, blk)
+    return torch.arange(length, device=device)[None] // blk[:, None]
+
+
+def noise(x0: torch.Tensor, bid: torch.Tensor, gen, vocab: int, p_t2t: float, max_corrupt: float):
+    """x_t with per-block masking ratios and (for a share of sequences) random-token replacements."""
+    B, L = x0.shape
+    dev = x0.device
+    t = torch.rand(B, L, generator=gen, device=dev).gather(1, bid)  # one ratio per block
+    masked = torch.rand(B, L, generator=gen, device=dev) < t
+    rate = torch.rand(B, 1, generator=gen, device=dev) * max_corrupt
+    rate = rate * (torch.rand(B, 1, generator=gen, device=dev) < p_t2t)
+    rand_tok = torch.randint(len(D.SPECIALS), vocab, (B, L), generator=gen, device=dev)
+    corrupt = ~masked & (torch.rand(B, L, generator=gen, device=dev) < rate) & (rand_tok != x0)
+    xt = torch.where(masked, D.MASK, torch.where(corrupt, rand_tok, x0))
+    return xt, masked, corrupt
+
+
+def bd_mask(bid: torch.Tensor) -> torch.Tensor:
+    """[B, 2L, 2L] bool for [x_t ; x0]: noisy i sees noisy block(i) and clean blocks < block(i);
+    clean i sees clean blocks <= block(i); clean never sees noisy."""
+    q, k = bid[:, :, None], bid[:, None, :]
+    top = torch.cat([q == k, k < q], dim=2)
+    bottom = torch.cat([torch.zeros_like(k <= q), k <= q], dim=2)
+    return torch.cat([top, bottom], dim=1)
+
+
+def bd_logits(model, xt: torch.Tensor, x0: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [B, L, V] of the noisy copy under the block-diffusion mask."""
+    B, L = x0.shape
+    pos = torch.arange(L, device=x0.device).repeat(2)[None].expand(B, 2 * L)
+    idx = torch.arange(L, device=x0.device)[None].expand(B, L)
+    return model(torch.cat([xt, x0], 1), pos, DenseAttention(bd_mask(bid)), logits_index=idx)
+
+
+def loss_terms(logits, x0, masked, corrupt, keep_weight):
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits.reshape(-1, V), x0.reshape(-1), reduction="none").view_as(x0)
+    w = masked.float() + corrupt.float() + keep_weight * (~masked & ~corrupt).float()
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():
+        m = masked.float()
+        masked_loss = (ce * m).sum() / m.sum().clamp(min=1)
+        acc = ((logits.argmax(-1) == x0).float() * m).sum() / m.sum().clamp(min=1)
+    return loss, masked_loss, acc
+
+
+def attach_load_counters(model) -> list[MoE]:
+    """Record each MoE layer's expert choices (eager sparse path) for the bias balancing."""
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    for m in moes:
+        def route(x, m=m):
+            ids, w = MoE.route(m, x)
+            flat = ids.flatten()  # scatter_add rather than bincount: no host sync
+            m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
+            return ids, w
+        m.route = route
+    return moes
+
+
+def detach_load_counters(moes) -> None:
+    for m in moes:
+        m.__dict__.pop("route", None)
+        m.__dict__.pop("_load", None)
+
+
+@torch.no_grad()
+def balance_experts(moes, rate: float) -> None:
+    for m in moes:
+        load = m._load.float()
+        m.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+def lr_at(step: int, total: int | None, args) -> float:
+    warm = args.warmup if total is None else min(args.warmup, max(1, total // 10))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    if total is None:
+        return args.lr
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+def build_model(cfg: dict, device, seed: int):
+    model = materialize(parse_model_config(cfg, "train_tiny"), device, torch.float32)
+    init_random(model, seed, std=0.02, embed_std=0.02)
+    with torch.no_grad():  # GPT-2 style: residual output projections scaled by 1/sqrt(2 * layers)
+        scale = (2 * cfg["num_hidden_layers"]) ** -0.5
+        for name, p in model.named_parameters():
+            if name.endswith(("attn.o.weight", "down.weight", "w_down")):
+                p.mul_(scale)
+    return model.requires_grad_(True).train()
+
+
+def make_optimizer(model, args):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = args.device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def train(model, stream: torch.Tensor, held_stream: torch.Tensor, args, log: Log, deadline_at: float) -> dict:
+    dev, B, L, V = args.device, args.batch, args.seq_len, model.config.vocab_size
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    eval_gen = torch.Generator(device=dev).manual_seed(args.seed + 1)
+    hb = min(8, max(1, (held_stream.numel() - 1) // L))
+    h_off = torch.randint(0, max(1, held_stream.numel() - L), (hb,), generator=eval_gen, device=dev)
+    h_x0 = held_stream[h_off[:, None] + torch.arange(L, device=dev)]
+    h_bid = block_ids(hb, L, eval_gen, dev, args.p_bidir)
+    h_xt, h_m, h_c = noise(h_x0, h_bid, eval_gen, V, args.p_t2t, args.max_corrupt)
+
+    opt = make_optimizer(model, args)
+    moes = attach_load_counters(model)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    accum = 1
+    total = args.steps
+    t_start = time.time()
+    budget_end = min(t_start + args.time_budget, deadline_at) if args.steps is None else deadline_at
+    timing_from = None
+    step = 0
+    stop = "steps"
+    history = []
+    while total is None or step < total:
+        if time.time() >= budget_end:
+            stop = "wall clock"
+            break
+        lr = lr_at(step, total, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        off = torch.randint(0, stream.numel() - L, (B,), generator=gen, device=dev)
+        x0 = stream[off[:, None] + torch.arange(L, device=dev)]
+        bid = block_ids(B, L, gen, dev, args.p_bidir)
+        xt, masked, corrupt = noise(x0, bid, gen, V, args.p_t2t, args.max_corrupt)
+        while True:
+            try:
+                opt.zero_grad(set_to_none=True)
+                stats = torch.zeros(3, device=dev)
+                mb = B // accum
+                for i in range(accum):
+                    s = slice(i * mb, (i + 1) * mb)
+                    with autocast:
+                        logits = bd_logits(model, xt[s], x0[s], bid[s])
+                    loss, mloss, acc = loss_terms(logits, x0[s], masked[s], corrupt[s], args.keep_weight)
+                    (loss / accum).backward()
+                    stats += torch.stack([loss.detach(), mloss, acc]) / accum
+                    del logits, loss
+                break
+            except torch.OutOfMemoryError:
+                if accum >= B:
+                    raise
+                accum *= 2
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                log(f"out of memory: gradient accumulation {accum} x {B // accum} sequences")
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        balance_experts(moes, args.bias_rate)
+        step += 1
+        if step == 3:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            timing_from = (step, time.time())
+        if args.steps is None and step in (15, 60) and timing_from is not None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - timing_from[1]) / (step - timing_from[0])
+            total = step + int((budget_end - time.time()) / per_step * 0.98)
+            log(f"step time {per_step * 1e3:.1f} ms -> {total} steps in the budget", step=step, per_step_s=per_step,
+                planned_steps=total)
+        if step % 50 == 0 or step == 1 or step == total:
+            loss_v, mloss_v, acc_v = stats.tolist()
+            rec = {"step": step, "lr": lr, "loss": loss_v, "masked_loss": mloss_v, "masked_acc": acc_v,
+                   "grad_norm": float(gnorm), "elapsed_s": time.time() - t_start,
+                   "tokens_per_s": step * B * L / (time.time() - t_start)}
+            if step % 250 == 0 or step == total:
+                model.eval()
+                with torch.no_grad(), autocast:
+                    hl = bd_logits(model, h_xt, h_x0, h_bid)
+                _, h_mloss, h_acc = loss_terms(hl, h_x0, h_m, h_c, args.keep_weight)
+                model.train()
+                rec |= {"held_masked_loss": h_mloss.item(), "held_masked_acc": h_acc.item()}
+                del hl
+            load = torch.stack([m._load.float() for m in moes])
+            rec["expert_load_max_over_mean"] = (load.max(1).values / load.mean(1)).mean().item()
+            history.append(rec)
+            log("step {step} lr {lr:.2e} loss {loss:.3f} masked {masked_loss:.3f} acc {masked_acc:.3f} "
+                "gnorm {grad_norm:.2f} {tokens_per_s:.0f} tok/s".format(**rec)
+                + (" held {held_masked_loss:.3f}/{held_masked_acc:.3f}".format(**rec) if "held_masked_loss" in rec else ""),
+                **rec)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.time() - t_start
+    detach_load_counters(moes)
+    model.eval().requires_grad_(False)
+    return {"steps": step, "stopped_by": stop, "wall_s": wall, "batch": B, "seq_len": L,
+            "tokens_seen": step * B * L, "tokens_forwarded": step * B * 2 * L, "grad_accum": accum,
+            "final": history[-1] if history else {}, "history": history}
+
+
+# -------------------------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, seed: int, batch: int = 8) -> dict:
+    """Masked-token accuracy of held-out windows by masking ratio: block diffusion with block 32 (clean earlier
+    blocks, every block masked at the ratio) and fully bidirectional (the whole window masked at the ratio)."""
+    dev = model.device
+    n = min(n_windows, max(1, (held_stream.numel() - 1) // L))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    starts = torch.arange(n, device=dev) * L
+    out = {"windows": n, "window_tokens": L, "block_32": {}, "bidirectional": {}}
+    for r in RATIOS:
+        hit = {"block_32": 0.0, "bidirectional": 0.0}
+        cnt = 0.0
+        for b0 in range(0, n, batch):
+            x0 = held_stream[starts[b0 : b0 + batch, None] + torch.arange(L, device=dev)]
+            masked = torch.rand(x0.shape, generator=gen, device=dev) < r
+            masked[:, 0] |= ~masked.any(1)
+            xt = torch.where(masked, D.MASK, x0)
+            bid = (torch.arange(L, device=dev) // 32)[None].expand_as(x0)
+            preds = {"block_32": bd_logits(model, xt, x0, bid),
+                     "bidirectional": model(xt, torch.arange(L, device=dev)[None].expand_as(x0),
+                                            DenseAttention(torch.ones(L, L, dtype=torch.bool, device=dev)))}
+            for k, lg in preds.items():
+                lg[..., D.MASK] = float("-inf")
+                hit[k] += ((lg.argmax(-1) == x0) & masked).sum().item()
+            cnt += masked.sum().item()
+        for k in hit:
+            out[k][str(r)] = hit[k] / max(cnt, 1)
+    return out
+
+
+def eval_tasks(model, task_files: dict[str, Path], table, batch_size: int, log: Log, deadline_at: float,
+               limit: int | None = None) -> dict:
+    from compiledllm.evaluate import continuation_scores, evaluate, load_tasks
+
+    res = {}
+    for name, file in task_files.items():
+        if not file.read_text().strip():
+            res[name] = {"skipped": "no tasks"}
+            continue
+        tasks = load_tasks(file, limit=limit)
+        if time.time() > deadline_at:
+            log(f"skipping {name}: past the deadline")
+            res[name] = {"skipped": "deadline"}
+            continue
+        try:
+            r = evaluate(model, tasks, EVAL_POLICIES, batch_size=batch_size, cuda_graphs=False)
+        except Exception as e:  # keep the run's other results; say what failed
+            log(f"engine eval of {name} on {model.device} failed: {e!r}")
+            res[name] = {"error": repr(e)}
+            continue
+        outs = [D.bigram_generate(table, t.prompt_ids, len(t.reference_ids)) for t in tasks]
+        r["baseline_bigram"] = continuation_scores(outs, [t.reference_ids for t in tasks])
+        r["samples"] = [{"id": t.id, "reference_ids": t.reference_ids,
+                         **{lb: r["outputs"][lb][i] for lb in r["outputs"]}} for i, t in enumerate(tasks[:3])]
+        del r["outputs"]
+        res[name] = r
+        log(f"{name}: " + ", ".join(f"{lb} EM {m['exact_match']:.3f} acc {m['token_accuracy']:.3f} "
+                                    f"tpf {m['tokens_per_forward']:.2f}" for lb, m in r["policies"].items())
+            + f"; bigram EM {r['baseline_bigram']['exact_match']:.3f} acc {r['baseline_bigram']['token_accuracy']:.3f}")
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def metrics_tables(results: dict) -> str:
+    lines = []
+    ma = results.get("masked_accuracy")
+    if ma:
+        lines += [f"Masked-token accuracy on {ma['windows']} held-out windows of {ma['window_tokens']} tokens "
+                  "(argmax over the vocabulary without MASK):", "",
+                  "| masking ratio | " + " | ".join(str(r) for r in RATIOS) + " |",
+                  "|---|" + "---:|" * len(RATIOS)]
+        for mode, name in (("block_32", "block diffusion, block 32"), ("bidirectional", "bidirectional")):
+            lines.append(f"| {name} | " + " | ".join(f"{ma[mode][str(r)]:.3f}" for r in RATIOS) + " |")
+        lines.append("")
+    for fname, r in results.get("tasks", {}).items():
+        if "policies" not in r:
+            lines += [f"{fname}: not evaluated ({r})", ""]
+            continue
+        lines += [f"`{fname}` ({r['tasks']} tasks, {r['max_new_tokens']} new tokens, engine on {results.get('eval_device')}, "
+                  f"float32; agreement is with `{r['reference']}`):", "",
+                  "| policy | exact match | token acc | prefix tokens | agreement | forwards | tokens/forward |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for lb, m in r["policies"].items():
+            lines.append(f"| `{lb}` | {m['exact_match']:.3f} | {m['token_accuracy']:.3f} | {m['prefix_tokens']:.2f} "
+                         f"| {m['agreement']:.3f} | {m['forwards']} | {m['tokens_per_forward']:.2f} |")
+        b = r["baseline_bigram"]
+        lines += [f"| bigram baseline (greedy) | {b['exact_match']:.3f} | {b['token_accuracy']:.3f} | "
+                  f"{b['prefix_tokens']:.2f} | - | - | - |", ""]
+    return "\n".join(lines)
+
+
+def model_card(results: dict) -> str:
+    c, d, t = results["config"], results["data"], results["training"]
+    params = results["parameters"]
+    return f"""# tiny-llada2
+
+A small block-diffusion language model of the LLaDA2.0/2.1 MoE layout (`LLaDA2MoeModelLM`), trained from
+scratch by `tools/train_tiny.py` on the Python standard library so that compiledllm has a real checkpoint:
+confident where code is predictable, unsure where it is not. It writes plausible Python; it knows nothing else.
+
+## Architecture
+{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads
+of {c['head_dim']} (q/k RMSNorm before RoPE, partial rotary {c['partial_rotary_factor']}, theta {c['rope_theta']:g}); layer 0 dense MLP
+({c['intermediate_size']}), layers 1-{c['num_hidden_layers'] - 1} MoE: {c['num_experts']} experts of width {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}
+with group-limited routing ({c['n_group']} groups, keep {c['topk_group']}), 1 shared expert, sigmoid router with
+expert bias, routed scaling {c['routed_scaling_factor']}; untied head; vocabulary {c['vocab_size']} (byte-level BPE);
+context {c['max_position_embeddings']} tokens. {params:,} parameters, stored in bfloat16 ({results['weights_bytes'] / 1e6:.1f} MB).
+Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|>` ({D.MASK}).
+
+## Data and split
+`*.py` files under the training interpreter's stdlib directory (Python {d['python']}, `{d['root']}`), test
+directories included, `site-packages` and non-UTF-8 files excluded: {d['files']} files. Held out: files with
+sha1(relative path)[:8] mod 1000 < {round(d['holdout'] * 1000)} ({d['held_files']} files, {d['held_tokens']:,} tokens);
+training: {d['train_files']} files, {d['train_tokens']:,} tokens. The tokenizer was trained on the training files
+only. Task files (`compiledllm/assets/tasks/`) come from held-out files outside test directories.
+
+## Objective
+Block diffusion as in LLaDA2 / BD3-LM: the noisy copy x_t and the clean copy x_0 of each {t['seq_len']}-token window
+are forwarded together (same positions) under the block-diffusion mask (noisy block i sees noisy block i and clean
+blocks < i; clean block i sees clean blocks <= i); block size drawn per sequence from {{4, 8, 16, 32, 64}}, and
+{results['args']['p_bidir']:.0%} of sequences fully bidirectional (plain masked diffusion); masking ratio t ~ U(0, 1)
+per block. LLaDA2.1 token-to-token editing: {results['args']['p_t2t']:.0%} of sequences also have a share
+r ~ U(0, {results['args']['max_corrupt']}) of visible tokens replaced by random tokens. Cross entropy against x_0 with
+weight 1 on masked and replaced tokens and {results['args']['keep_weight']} on other visible tokens. Router balancing
+without auxiliary loss (expert-bias updates of {results['args']['bias_rate']} per step).
+
+## Training
+AdamW (betas 0.9/0.95, weight decay {results['args']['weight_decay']}), peak lr {results['args']['lr']}, {results['args']['warmup']}-step
+warm-up, cosine to {results['args']['min_lr_frac']}x; bf16 autocast on CUDA; batch {t['batch']} x {t['seq_len']} tokens; seed {results['args']['seed']}.
+{t['steps']} steps (stopped by {t['stopped_by']}), {t['tokens_seen']:,} tokens seen ({t['tokens_forwarded']:,} forwarded
+with the clean copies), {t['wall_s']:.0f} s of training on {results['device_name']} (whole run {results['run_wall_s']:.0f} s
+including tokenizer, tasks and evaluation). Final training loss {t['final'].get('loss', float('nan')):.3f}, masked-token loss
+{t['final'].get('masked_loss', float('nan')):.3f}; held-out masked loss {t['final'].get('held_masked_loss', float('nan')):.3f}.
+Reproduce: `{results['command']}`.
+
+## Held-out metrics
+{metrics_tables(results)}
+"""
+
+
+def package(out: Path, dest: Path | None) -> None:
+    """Copy the weights and a tarball of every other output file to `dest` (the device run's $OUT)."""
+    if dest is None:
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in (out / "checkpoint").glob("*.safetensors"):
+        shutil.copy2(f, dest / f.name)
+    tmp = dest / "bundle.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(out.rglob("*")):
+            if f.is_file() and f.suffix != ".safetensors":
+                tar.add(f, arcname=str(f.relative_to(out)))
+    tmp.replace(dest / "bundle.tar.gz")
+
+
+def main(argv=None) -> dict:
+    t0 = time.time()
+    args = parse_args(argv)
+    deadline_at = t0 + (args.deadline if args.deadline is not None else 1e9)
+    torch.manual_seed(args.seed)
+    out = args.out
+    (out / "checkpoint").mkdir(parents=True, exist_ok=True)
+    log = Log(out / "train_log.jsonl")
+    dev = args.device
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    root = args.corpus or D.stdlib_root()
+    files = D.read_corpus(root, args.max_files)
+    train_files, held_files = D.split(files, args.holdout)
+    if not train_files or not held_files:
+        raise SystemExit(f"{root}: {len(train_files)} training and {len(held_files)} held-out files; need both")
+    log(f"corpus {root}: {len(files)} files ({sum(len(f.text) for f in files) / 1e6:.1f} MB), "
+        f"{len(train_files)} train / {len(held_files)} held out")
+    tok = D.train_tokenizer([f.text for f in train_files], args.vocab)
+    vocab = tok.get_vocab_size()
+    tok_cfg = D.tokenizer_config(args.seq_len)
+    train_stream = D.token_stream(D.encode_files(tok, train_files))
+    held_stream = D.token_stream(D.encode_files(tok, [f for f in held_files if not f.is_test] or held_files))
+    log(f"tokenizer: vocab {vocab}; {len(train_stream):,} training tokens "
+        f"({sum(len(f.text) for f in train_files) / len(train_stream):.2f} chars/token), {len(held_stream):,} held out")
+
+    task_kw = PRESETS[args.preset]["tasks"]
+    short, long_ = D.build_tasks(tok, held_files, seed=args.seed, **task_kw)
+    task_files = {"code_short.jsonl": out / "tasks" / "code_short.jsonl", "code_long.jsonl": out / "tasks" / "code_long.jsonl"}
+    D.write_jsonl(task_files["code_short.jsonl"], short)
+    D.write_jsonl(task_files["code_long.jsonl"], long_)
+    log(f"tasks: {len(short)} short, {len(long_)} long")
+
+    cfg = hf_config(args.preset, vocab, args.seq_len)
+    model = build_model(cfg, dev, args.seed)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model: {params:,} parameters on {dev}")
+    stream = torch.tensor(train_stream, dtype=torch.long, device=dev)
+    held = torch.tensor(held_stream, dtype=torch.long, device=dev)
+    if held.numel() <= args.seq_len:
+        held = held.repeat(args.seq_len // max(1, held.numel()) + 2)
+    eval_reserve = {"full": 110, "quick": 20, "none": 10}[args.eval]
+    training = train(model, stream, held, args, log, deadline_at - eval_reserve)
+
+    model.tokenizer = TextTokenizer(tok, tok_cfg)
+    ckpt = out / "checkpoint"
+    weight_files = save_model(model, ckpt, cfg, dtype=torch.bfloat16)
+    command = "python tools/train_tiny.py --out OUT" + ("" if args.preset == "full" else f" --preset {args.preset}") + \
+        f" --steps {training['steps']}" + (f" --seed {args.seed}" if args.seed else "")
+    results = {"command": command, "config": cfg, "parameters": params,
+               "weights_bytes": sum(f.stat().st_size for f in weight_files),
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
+               "torch": torch.__version__, "args": {k: (str(v) if isinstance(v, (Path, torch.device)) else v)
+                                                   for k, v in vars(args).items()},
+               "data": {"python": sys.version.split()[0], "root": str(root), "files": len(files),
+                        "train_files": len(train_files), "held_files": len(held_files), "holdout": args.holdout,
+                        "train_tokens": len(train_stream), "held_tokens": len(held_stream),
+                        "held_file_list": sorted(f.rel for f in held_files)},
+               "training": {k: v for k, v in training.items() if k != "history"}}
+    (out / "training_history.json").write_text(json.dumps(training["history"], indent=1) + "\n")
+    results["run_wall_s"] = time.time() - t0
+    (ckpt / "README.md").write_text(model_card(results))
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    log(f"saved {ckpt} ({results['weights_bytes'] / 1e6:.2f} MB of weights)")
+    package(out, args.package)
+
+    if args.eval != "none":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        m = load_model(ckpt, device=dev, dtype=torch.float32)  # exactly the shipped (bf16) weights
+        results["eval_device"] = str(dev)
+        n_win = 32 if args.eval == "full" else 2
+        results["masked_accuracy"] = masked_accuracy(m, held, args.seq_len, n_win, args.seed)
+        log("masked accuracy: " + json.dumps({k: v for k, v in results["masked_accuracy"].items()}))
+        table = D.bigram_table(train_stream, vocab)
+        limit = None if args.eval == "full" else 4
+        results["tasks"] = eval_tasks(m, task_files, table, 32, log, deadline_at - 15, limit)
+        if dev.type == "cuda" and any("error" in r for r in results["tasks"].values()):
+            log("retrying the failed task files on the CPU")
+            m = load_model(ckpt, device="cpu", dtype=torch.float32)
+            failed = {k: v for k, v in task_files.items() if "error" in results["tasks"][k]}
+            results["tasks"] |= eval_tasks(m, failed, table, 32, log, deadline_at - 15, limit)
+            results["eval_device"] = "cuda; cpu for " + ", ".join(failed)
+    results["run_wall_s"] = time.time() - t0
+    (ckpt / "README.md").write_text(model_card(results))
+    (out / "tiny_model.md").write_text(metrics_tables(results) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    package(out, args.package)
+    log(f"done in {results['run_wall_s']:.0f} s\n\n" + metrics_tables(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
