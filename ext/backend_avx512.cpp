@@ -4,6 +4,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <initializer_list>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -90,11 +92,30 @@ static inline __m512 red34(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
-// Few rows: rows [r0, r1) against 16 keys: keys are loaded once per row block and kept in registers two at
-// a time; the query chunk is the second VDPBF16PS operand (from L1). DC = D / 32.
-template <int DC>
-static inline void score_rows(const uint16_t* k, int64_t ks, int n, const uint16_t* q, int r0, int r1, float c,
-                              float* s, __m512* red) {
+static inline void prefetch_row(const uint16_t* row, int64_t D, bool l2) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * 2; b += 64) l2 ? _mm_prefetch(p + b, _MM_HINT_T1) : _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// VDPBF16PS semantics by FMA: bf16 -> fp32 is a shift (even element) or a mask (odd element);
+// products of bf16 values are exact in fp32, so FMA(odd) then FMA(even) equals VDPBF16PS bit for
+// bit (inputs assumed normal: VDPBF16PS flushes denormals). Used where VDPBF16PS is slow.
+static inline __m512 bf_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline __m512 bf_odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// Few rows: rows [r0, r1) against 16 keys, two keys at a time in registers; with NR > 0 (exactly
+// NR rows) the query chunks stay in registers too (VDPBF16PS form). Prefetches for a later tile
+// are spread over the key pairs. DC = D / 32. qf: queries as float, per 32-dim chunk 16 even
+// then 16 odd elements.
+template <int DC, int NR, bool DP>
+static inline void score_rows(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int r0,
+                              int r1, float c, float* s, __m512* red, const Prefetch& pf, const Prefetch& pv) {
+  __m512i qreg[(NR > 0 && DP) ? NR : 1][DC];
+  if (NR > 0 && DP)
+    for (int r = 0; r < NR; ++r)
+      for (int cc = 0; cc < DC; ++cc) qreg[r][cc] = _mm512_loadu_si512(q + (r0 + r) * DC * 32 + cc * 32);
   for (int m = 0; m < 8; ++m) {
     __m512i k0[DC], k1[DC];
     const int j0 = 2 * m, j1 = 2 * m + 1;
@@ -102,15 +123,40 @@ static inline void score_rows(const uint16_t* k, int64_t ks, int n, const uint16
       k0[cc] = j0 < n ? _mm512_loadu_si512(k + j0 * ks + cc * 32) : _mm512_setzero_si512();
       k1[cc] = j1 < n ? _mm512_loadu_si512(k + j1 * ks + cc * 32) : _mm512_setzero_si512();
     }
-    for (int r = r0; r < r1; ++r) {
-      const uint16_t* qr = q + r * DC * 32;
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      for (int cc = 0; cc < DC; ++cc) {
-        const __m512bh qv = as_bh(_mm512_loadu_si512(qr + cc * 32));
-        a0 = _mm512_dpbf16_ps(a0, as_bh(k0[cc]), qv);
-        a1 = _mm512_dpbf16_ps(a1, as_bh(k1[cc]), qv);
+    for (const Prefetch* x : {&pf, &pv})
+      if (x->rows) {
+        if (j0 < x->n) prefetch_row(x->rows + j0 * x->stride, DC * 32, x->l2);
+        if (j1 < x->n) prefetch_row(x->rows + j1 * x->stride, DC * 32, x->l2);
       }
-      red[(r - r0) * 8 + m] = red1(a0, a1);
+    const int rn = NR > 0 ? NR : r1 - r0;
+    if (DP) {
+      for (int i = 0; i < rn; ++i) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int cc = 0; cc < DC; ++cc) {
+          const __m512bh qv = as_bh(NR > 0 ? qreg[i][cc] : _mm512_loadu_si512(q + (r0 + i) * DC * 32 + cc * 32));
+          a0 = _mm512_dpbf16_ps(a0, as_bh(k0[cc]), qv);
+          a1 = _mm512_dpbf16_ps(a1, as_bh(k1[cc]), qv);
+        }
+        red[i * 8 + m] = red1(a0, a1);
+      }
+    } else {
+      __m512 e0[DC], o0[DC], e1[DC], o1[DC];
+      for (int cc = 0; cc < DC; ++cc) {
+        e0[cc] = bf_even(k0[cc]), o0[cc] = bf_odd(k0[cc]);
+        e1[cc] = bf_even(k1[cc]), o1[cc] = bf_odd(k1[cc]);
+      }
+      for (int i = 0; i < rn; ++i) {
+        const float* qr = qf + (r0 + i) * DC * 32;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int cc = 0; cc < DC; ++cc) {
+          const __m512 qe = _mm512_loadu_ps(qr + cc * 32), qo = _mm512_loadu_ps(qr + cc * 32 + 16);
+          a0 = _mm512_fmadd_ps(o0[cc], qo, a0);
+          a0 = _mm512_fmadd_ps(e0[cc], qe, a0);
+          a1 = _mm512_fmadd_ps(o1[cc], qo, a1);
+          a1 = _mm512_fmadd_ps(e1[cc], qe, a1);
+        }
+        red[i * 8 + m] = red1(a0, a1);
+      }
     }
   }
   const __m512 vc = _mm512_set1_ps(c);
@@ -121,11 +167,21 @@ static inline void score_rows(const uint16_t* k, int64_t ks, int n, const uint16
   }
 }
 
-template <int DC>
-static inline void score_tile_dc(const uint16_t* k, int64_t ks, int n, const uint16_t* q, int R, float c, float* s,
-                                 __m512* red) {
+template <int DC, bool DP>
+static inline void score_tile_dc(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int R,
+                                 float c, float* s, __m512* red, const Prefetch& pf, const Prefetch& pv) {
+  if (DC <= 4) {  // query rows fit in registers (<= 16 zmm)
+    switch (R) {
+      case 1: return score_rows<DC, 1, DP>(k, ks, n, q, qf, 0, 1, c, s, red, pf, pv);
+      case 2: return score_rows<DC, 2, DP>(k, ks, n, q, qf, 0, 2, c, s, red, pf, pv);
+      case 3: return score_rows<DC, 3, DP>(k, ks, n, q, qf, 0, 3, c, s, red, pf, pv);
+      case 4: return score_rows<DC, 4, DP>(k, ks, n, q, qf, 0, 4, c, s, red, pf, pv);
+      default: break;
+    }
+  }
   for (int r0 = 0; r0 < R; r0 += kScoreRowBlock)
-    score_rows<DC>(k, ks, n, q, r0, std::min(R, r0 + kScoreRowBlock), c, s, red);
+    score_rows<DC, 0, DP>(k, ks, n, q, qf, r0, std::min(R, r0 + kScoreRowBlock), c, s, red,
+                          r0 == 0 ? pf : Prefetch{}, r0 == 0 ? pv : Prefetch{});
 }
 
 // In-register transpose of 16 rows x 16 dwords (r[i][c] -> r[c][i]).
@@ -153,51 +209,113 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 // Many rows: transpose the tile once (lanes = keys, one dword = one dim pair), then every row is
-// P broadcast-VDPBF16PS in two chains (even / odd pairs) with no horizontal reduction.
-template <int NR>
-static inline void score_rows_t(const __m512i* kt, int P, const uint32_t* qp, float c, float* s) {
+// P broadcast-VDPBF16PS (or 2P broadcast FMAs) in two chains (even / odd pairs), no reduction.
+template <int NR, int P>
+static inline void score_rows_t(const __m512i* kt, const uint32_t* qp, float c, float* s) {
   __m512 a0[NR], a1[NR];
-  for (int i = 0; i < NR; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  const uint32_t* qr[NR];
+  for (int i = 0; i < NR; ++i) {
+    a0[i] = a1[i] = _mm512_setzero_ps();
+    qr[i] = qp + i * P;
+  }
   for (int p = 0; p < P; p += 2) {
     const __m512bh k0 = as_bh(kt[p]), k1 = as_bh(kt[p + 1]);
     for (int i = 0; i < NR; ++i) {
-      a0[i] = _mm512_dpbf16_ps(a0[i], k0, as_bh(_mm512_set1_epi32(int(qp[i * P + p]))));
-      a1[i] = _mm512_dpbf16_ps(a1[i], k1, as_bh(_mm512_set1_epi32(int(qp[i * P + p + 1]))));
+      a0[i] = _mm512_dpbf16_ps(a0[i], k0, as_bh(_mm512_set1_epi32(int(qr[i][p]))));
+      a1[i] = _mm512_dpbf16_ps(a1[i], k1, as_bh(_mm512_set1_epi32(int(qr[i][p + 1]))));
     }
   }
   const __m512 vc = _mm512_set1_ps(c);
   for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(_mm512_add_ps(a0[i], a1[i]), vc));
 }
 
-static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c,
-                                  float* s, __m512i* kt) {
-  const int P = D / 2;
-  for (int blk = 0; blk < P / 16; ++blk) {
+// FMA form: kf[2p] / kf[2p+1] = even / odd elements of pair p of the 16 keys as float; the query
+// element of pair p is qf[(p / 16) * 32 + p % 16] (even) and 16 further (odd).
+template <int NR, int P>
+static inline void score_rows_tf(const __m512* kf, const float* qf, int D, float c, float* s) {
+  __m512 a0[NR], a1[NR];
+  for (int i = 0; i < NR; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  for (int p = 0; p < P; p += 2) {
+    const __m512 e0 = kf[2 * p], o0 = kf[2 * p + 1], e1 = kf[2 * p + 2], o1 = kf[2 * p + 3];
+    const int x = (p / 16) * 32 + p % 16;
+    for (int i = 0; i < NR; ++i) {
+      const float* qr = qf + i * D + x;
+      a0[i] = _mm512_fmadd_ps(o0, _mm512_set1_ps(qr[16]), a0[i]);
+      a0[i] = _mm512_fmadd_ps(e0, _mm512_set1_ps(qr[0]), a0[i]);
+      a1[i] = _mm512_fmadd_ps(o1, _mm512_set1_ps(qr[17]), a1[i]);
+      a1[i] = _mm512_fmadd_ps(e1, _mm512_set1_ps(qr[1]), a1[i]);
+    }
+  }
+  const __m512 vc = _mm512_set1_ps(c);
+  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(_mm512_add_ps(a0[i], a1[i]), vc));
+}
+
+template <int DC, bool DP>
+static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int R,
+                                  float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+  constexpr int P = DC * 16, D = DC * 32;
+  for (const Prefetch* x : {&pf, &pv})
+    for (int j = 0; x->rows && j < x->n; ++j) prefetch_row(x->rows + j * x->stride, D, x->l2);
+  __m512i* kt = static_cast<__m512i*>(tmp);
+  __m512* kf = static_cast<__m512*>(tmp);
+  for (int blk = 0; blk < DC; ++blk) {
     __m512i r[16];
     for (int j = 0; j < 16; ++j) r[j] = j < n ? _mm512_loadu_si512(k + j * ks + blk * 32) : _mm512_setzero_si512();
     transpose16(r);
-    for (int x = 0; x < 16; ++x) _mm512_store_si512(kt + blk * 16 + x, r[x]);
+    for (int x = 0; x < 16; ++x) {
+      const int pp = blk * 16 + x;
+      if (DP) {
+        _mm512_store_si512(kt + pp, r[x]);
+      } else {
+        _mm512_store_ps(kf + 2 * pp, bf_even(r[x]));
+        _mm512_store_ps(kf + 2 * pp + 1, bf_odd(r[x]));
+      }
+    }
   }
-  const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
   int r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) score_rows_t<4>(kt, P, qp + r0 * P, c, s + r0 * kTile);
-  for (; r0 < R; ++r0) score_rows_t<1>(kt, P, qp + r0 * P, c, s + r0 * kTile);
+  if (DP) {
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
+    for (; r0 + 4 <= R; r0 += 4) score_rows_t<4, P>(kt, qp + r0 * P, c, s + r0 * kTile);
+    for (; r0 < R; ++r0) score_rows_t<1, P>(kt, qp + r0 * P, c, s + r0 * kTile);
+  } else {
+    for (; r0 + 6 <= R; r0 += 6) score_rows_tf<6, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
+    for (; r0 < R; ++r0) score_rows_tf<1, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
+  }
 }
 
-static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s,
-                       void* tmp) {
-  if (R >= kTransposeMinRows) return score_tile_transposed(k, ks, n, D, q, R, c, s, static_cast<__m512i*>(tmp));
-  __m512* red = static_cast<__m512*>(tmp);
+template <int DC, bool DP>
+static inline void score_tile_dc_any(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int R,
+                                     float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+  if (R >= kTransposeMinRows)
+    score_tile_transposed<DC, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv);
+  else
+    score_tile_dc<DC, DP>(k, ks, n, q, qf, R, c, s, static_cast<__m512*>(tmp), pf, pv);
+}
+
+// Which form computes the dot products: VDPBF16PS where it is fast, FMA otherwise (same bits).
+static bool use_dp();
+
+template <bool DP>
+static void score_tile_isa(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float* qf, int R,
+                           float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
   switch (D / 32) {
-    case 1: score_tile_dc<1>(k, ks, n, q, R, c, s, red); break;
-    case 2: score_tile_dc<2>(k, ks, n, q, R, c, s, red); break;
-    case 3: score_tile_dc<3>(k, ks, n, q, R, c, s, red); break;
-    case 4: score_tile_dc<4>(k, ks, n, q, R, c, s, red); break;
-    case 5: score_tile_dc<5>(k, ks, n, q, R, c, s, red); break;
-    case 6: score_tile_dc<6>(k, ks, n, q, R, c, s, red); break;
-    case 7: score_tile_dc<7>(k, ks, n, q, R, c, s, red); break;
-    default: score_tile_dc<8>(k, ks, n, q, R, c, s, red); break;
+    case 1: score_tile_dc_any<1, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 2: score_tile_dc_any<2, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 3: score_tile_dc_any<3, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 4: score_tile_dc_any<4, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 5: score_tile_dc_any<5, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 6: score_tile_dc_any<6, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 7: score_tile_dc_any<7, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    default: score_tile_dc_any<8, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
   }
+}
+
+static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float* qf, int R,
+                       float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+  if (use_dp())
+    score_tile_isa<true>(k, ks, n, D, q, qf, R, c, s, tmp, pf, pv);
+  else
+    score_tile_isa<false>(k, ks, n, D, q, qf, R, c, s, tmp, pf, pv);
 }
 
 // NR rows x NC 16-float column blocks of o, accumulated over the n keys of the tile.
@@ -226,21 +344,56 @@ static inline void pv_rows(const float* vf, int D, int n, const float* p, float*
 }
 
 static void pv_tile(const uint16_t* v, int64_t vs, int n, int D, const float* p, int R, float* o, float* vf) {
-  for (int j = 0; j < n; ++j)
+  for (int j = 0; j < n; ++j) {
     for (int c0 = 0; c0 < D; c0 += 16) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * vs + c0));
       _mm512_store_ps(vf + j * D + c0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
     }
+  }
   int r0 = 0;
   for (; r0 + 4 <= R; r0 += 4) pv_rows<4>(vf, D, n, p + r0 * kTile, o + r0 * D);
   for (; r0 < R; ++r0) pv_rows<1>(vf, D, n, p + r0 * kTile, o + r0 * D);
 }
 
-static inline void prefetch_rows(const uint16_t* rows, int64_t stride, int n, int64_t D) {
-  for (int j = 0; j < n; ++j)
-    for (int64_t b = 0; b < D * 2; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows + j * stride) + b, _MM_HINT_T0);
+// Unit scans of the top-k: rows in the threshold bucket (rare: a scalar tail) and the selected
+// positions, in order, by mask compress-store.
+static int64_t collect_bucket(const float* imp, int64_t n, int64_t start, uint32_t bucket, Boundary* out) {
+  Boundary* o = out;
+  const __m512i b = _mm512_set1_epi32(int(bucket));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi32(valid, imp + j);
+    unsigned m = _mm512_mask_cmpeq_epi32_mask(valid, _mm512_srli_epi32(x, kBucketShift), b);
+    while (m) {
+      const int i = __builtin_ctz(m);
+      uint32_t bits;
+      std::memcpy(&bits, imp + j + i, 4);
+      *o++ = Boundary{bits, int32_t(start + j + i)};
+      m &= m - 1;
+    }
+  }
+  return o - out;
 }
+
+static int64_t emit_selected(const float* imp, int64_t n, int64_t start, uint32_t cut_bits, int32_t cut_pos,
+                             int32_t* out) {
+  int32_t* o = out;
+  const __m512i cb = _mm512_set1_epi32(int(cut_bits)), cp = _mm512_set1_epi32(cut_pos);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi32(valid, imp + j);  // importances >= 0: int order = float order
+    const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(start + j)));
+    const __mmask16 gt = _mm512_mask_cmpgt_epi32_mask(valid, x, cb);
+    const __mmask16 eq = _mm512_mask_cmpeq_epi32_mask(valid, x, cb) & _mm512_cmple_epi32_mask(pos, cp);
+    const __mmask16 m = gt | eq;
+    _mm512_mask_compressstoreu_epi32(o, m, pos);
+    o += __builtin_popcount(unsigned(m));
+  }
+  return o - out;
+}
+
+static void gather_prefetch(const uint16_t* row, int64_t D) { prefetch_row(row, D, false); }
 
 static inline void copy_row(uint16_t* dst, const uint16_t* src, int64_t bytes) {
   char* d = reinterpret_cast<char*>(dst);
@@ -265,6 +418,7 @@ Arena g_scores, g_states, g_hists;
 bool compiled() { return true; }
 
 void select(const SelectArgs& a) {
+  use_dp();  // calibrate outside the parallel region
   std::lock_guard<std::mutex> lock(g_mu);
   run_select(a, g_scores, g_states, g_hists);
 }
@@ -291,6 +445,49 @@ uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads) {
   return total;
 }
 
+// Peak-rate probe: 12 independent accumulator chains per thread (VDPBF16PS or FMA), for the report.
+double compute_probe(int kind, int64_t iters, int threads) {
+  const int T = threads > 0 ? threads : omp_get_max_threads();
+  const double t0 = omp_get_wtime();
+  float sink = 0.f;
+#pragma omp parallel num_threads(T) reduction(+ : sink)
+  {
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
+    __m512i x = _mm512_set1_epi32(0x3f803f80);
+    const __m512 f = _mm512_set1_ps(0.999f);
+    for (int64_t it = 0; it < iters; ++it) {
+      if (kind == 0)
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(x), as_bh(x));
+      else
+        for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], f, f);
+      __asm__ volatile("" : "+v"(x));
+    }
+    __m512 sum = acc[0];
+    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    sink += _mm512_reduce_add_ps(sum);
+  }
+  volatile float keep = sink;
+  (void)keep;
+  return omp_get_wtime() - t0;
+}
+
+namespace {
+std::atomic<int> g_dot_mode{-1};  // -1 auto (measured once), 0 FMA form, 1 VDPBF16PS
+}  // namespace
+
+static bool use_dp() {
+  static const bool measured = [] {  // per multiply-add: VDPBF16PS does 32, the FMA form 16 + conversions
+    const double t_dp = compute_probe(0, 20000, 1), t_fma = compute_probe(1, 20000, 1);
+    return 32.0 / t_dp > 1.25 * 16.0 / t_fma;
+  }();
+  const int mode = g_dot_mode.load(std::memory_order_relaxed);
+  return mode < 0 ? measured : mode == 1;
+}
+
+void set_dot(int mode) { g_dot_mode.store(mode < 0 ? -1 : (mode ? 1 : 0)); }
+bool dot_is_dp() { return use_dp(); }
+
 }  // namespace avx512
 }  // namespace cllm
 
@@ -308,6 +505,9 @@ bool compiled() { return false; }
 void select(const SelectArgs&) {}
 void gather(const GatherArgs&) {}
 uint64_t read_probe(const uint8_t*, int64_t, int) { return 0; }
+double compute_probe(int, int64_t, int) { return 0.0; }
+void set_dot(int) {}
+bool dot_is_dp() { return false; }
 }  // namespace avx512
 }  // namespace cllm
 

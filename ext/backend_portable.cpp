@@ -115,8 +115,8 @@ static inline float dot_bf16_chains(const uint16_t* k, const uint16_t* q, int D)
   return a0 + a1;
 }
 
-static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s,
-                       void*) {
+static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float*, int R, float c,
+                       float* s, void*, const Prefetch&, const Prefetch&) {
   const bool chains = R >= kTransposeMinRows;
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 16; ++j) {
@@ -139,7 +139,31 @@ static void pv_tile(const uint16_t* v, int64_t vs, int n, int D, const float* p,
     }
 }
 
-static inline void prefetch_rows(const uint16_t*, int64_t, int, int64_t) {}
+static inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+static int64_t collect_bucket(const float* imp, int64_t n, int64_t start, uint32_t bucket, Boundary* out) {
+  Boundary* o = out;
+  for (int64_t j = 0; j < n; ++j)
+    if ((bits_of(imp[j]) >> kBucketShift) == bucket) *o++ = Boundary{bits_of(imp[j]), int32_t(start + j)};
+  return o - out;
+}
+
+static int64_t emit_selected(const float* imp, int64_t n, int64_t start, uint32_t cut_bits, int32_t cut_pos,
+                             int32_t* out) {
+  int32_t* o = out;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t x = bits_of(imp[j]);
+    const int32_t pos = int32_t(start + j);
+    if (x > cut_bits || (x == cut_bits && pos <= cut_pos)) *o++ = pos;
+  }
+  return o - out;
+}
+
+static inline void gather_prefetch(const uint16_t*, int64_t) {}
 static inline void copy_row(uint16_t* dst, const uint16_t* src, int64_t bytes) { std::memcpy(dst, src, bytes); }
 static inline void zero_row(uint16_t* dst, int64_t bytes) { std::memset(dst, 0, bytes); }
 static inline void store_fence() {}

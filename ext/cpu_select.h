@@ -34,6 +34,7 @@ struct SelectArgs {
   float* lse = nullptr;
   int threads = 0;   // 0: OpenMP default
   int prefetch = 0;  // software prefetch distance in 16-key tiles (0: hardware prefetch only)
+  bool prefetch_l2 = false;  // prefetch into L2 (prefetcht1) rather than L1
   int64_t score_budget = int64_t(64) << 20;  // floats of score rows held at once (tests make it small)
 };
 
@@ -57,6 +58,9 @@ bool compiled();  // false when the compiler or target cannot build the AVX-512-
 void select(const SelectArgs& a);
 void gather(const GatherArgs& a);
 uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
+double compute_probe(int kind, int64_t iters, int threads);  // seconds; kind 0: VDPBF16PS, 1: FMA
+void set_dot(int mode);  // dot products by -1: the faster form here, 0: FMA, 1: VDPBF16PS (same bits)
+bool dot_is_dp();
 }  // namespace avx512
 namespace portable {
 void select(const SelectArgs& a);

@@ -59,7 +59,7 @@ T* ptr(uintptr_t x) {
 std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
                       int64_t KVH, int64_t D, uintptr_t lengths, uintptr_t q, std::array<int64_t, 3> qs, int64_t G,
                       int64_t n_q, double scale, int64_t topk, uintptr_t idx, uintptr_t out, uintptr_t lse,
-                      int threads, bool portable, int prefetch, int64_t score_budget) {
+                      int threads, bool portable, int prefetch, bool prefetch_l2, int64_t score_budget) {
   if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("select: head_dim must be a multiple of 32 in [32, 256]");
   if (G < 1 || n_q < 1 || G * n_q > 4096) throw std::invalid_argument("select: need G >= 1, n_q >= 1, G*n_q <= 4096");
   if (!k || !q || !lengths) throw std::invalid_argument("select: null k, q or lengths");
@@ -83,6 +83,7 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
   a.lse = ptr<float>(lse);
   a.threads = threads;
   a.prefetch = prefetch;
+  a.prefetch_l2 = prefetch_l2;
   if (score_budget > 0) a.score_budget = score_budget;
   const bool fast = use_avx512(portable);
   {
@@ -128,18 +129,30 @@ PYBIND11_MODULE(_cpu_select, m) {
         py::arg("KVH"), py::arg("D"), py::arg("lengths"), py::arg("q"), py::arg("q_strides"), py::arg("G"),
         py::arg("n_q"), py::arg("scale"), py::arg("topk"), py::arg("idx"), py::arg("out"), py::arg("lse"),
         py::arg("threads") = 0, py::arg("portable") = false, py::arg("prefetch") = 0,
-        py::arg("score_budget") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
+        py::arg("prefetch_l2") = false, py::arg("score_budget") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
   m.def("gather", &py_gather, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
         py::arg("KVH"), py::arg("D"), py::arg("idx"), py::arg("topk"), py::arg("dst"), py::arg("threads") = 0,
         py::arg("portable") = false, "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");
   m.def("read_probe", &py_read_probe, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 0,
         py::arg("portable") = false, "Read nbytes once with all threads (a bandwidth probe); returns a checksum.");
+  m.def("compute_probe", [](int kind, int64_t iters, int threads) {
+    if (!features().avx512_bf16) throw std::runtime_error("compute_probe needs AVX-512-BF16");
+    py::gil_scoped_release nogil;
+    return cllm::avx512::compute_probe(kind, iters, threads);
+  }, py::arg("kind"), py::arg("iters"), py::arg("threads") = 1,
+        "Seconds for iters x 12 VDPBF16PS (kind 0) or FMA (kind 1) per thread on `threads` threads.");
+  m.def("set_dot", [](const std::string& mode) {
+    if (mode != "auto" && mode != "fma" && mode != "vdpbf16ps")
+      throw std::invalid_argument("set_dot: mode must be 'auto', 'fma' or 'vdpbf16ps'");
+    cllm::avx512::set_dot(mode == "auto" ? -1 : mode == "vdpbf16ps");
+  }, py::arg("mode"), "Dot-product form of the AVX-512 path (results are identical; speed differs by CPU).");
   m.def("isa", []() { return std::string(path_name(use_avx512(false))); }, "The path used unless portable=True.");
   m.def("cpu_features", []() {
     py::dict d;
     d["avx512_bf16"] = features().avx512_bf16;
     d["amx_bf16"] = features().amx_bf16;
     d["avx512_compiled"] = cllm::avx512::compiled();
+    if (features().avx512_bf16) d["dot"] = cllm::avx512::dot_is_dp() ? "vdpbf16ps" : "fma";
     return d;
   });
 }

@@ -2,9 +2,12 @@
 // tile primitives. Included inside namespace cllm::<isa> by backend_<isa>.cpp, after these:
 //   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vsub, vmul,
 //   vexp2(V) (the shared exp2 recipe below), vtail(V, n, fill), float vhmax(V), vhsum(V),
-//   score_tile(k, k_ss, n, D, q_rows, R, c, s[R][16], tmp)   s = c * (q . k) for 16 keys,
+//   score_tile(k, k_ss, n, D, q_rows, qf_rows, R, c, s[R][16], tmp, pk, pv)   s = c * (q . k), 16 keys
+//     (q_rows bf16 [R][D]; qf_rows float32, per 32-dim chunk 16 even then 16 odd elements),
+//     issuing the prefetches pk, pv (rows of later tiles) along the way,
 //   pv_tile(v, v_ss, n, D, p[R][16], R, o[R][D], tmp)       o += p @ v over 16 keys,
-//   prefetch_rows(rows, stride, n, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence().
+//   collect_bucket(imp, n, start, bucket, out), emit_selected(imp, n, start, cut_bits, cut_pos, out),
+//   gather_prefetch(row, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence().
 // Every step whose result feeds idx or lse uses the same operations in the same order in both
 // paths (no contraction: built with -ffp-contract=off), so both paths select the same positions.
 // exp2 recipe (Cephes exp2f, ~2e-7 relative): x >= -126 ? 2^n * (1 + f*P(f)) : 0, with
@@ -49,17 +52,21 @@ struct AlignedBuf {
 
 // Per-thread tiles: packed query rows, scores and probabilities of one tile, lane sums, temp.
 struct ThreadBuf {
-  AlignedBuf q, s, pr, lv, tmp;
+  AlignedBuf q, qf, s, pr, lv, tmp;
   int64_t q_item = -1;
   ThreadBuf(int64_t R, int64_t D)
-      : q(R * D * 2), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4), tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
+      : q(R * D * 2), qf(R * D * 4), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4), tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
 };
 
-inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, uint16_t* q) {
+inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, uint16_t* q, float* qf) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / a.n_q, i = r % a.n_q;
     const uint16_t* src = a.q + it.b * a.q_sb + (it.h * a.G + g) * a.q_sh + i * a.q_sn;
     std::memcpy(q + r * a.D, src, a.D * 2);
+    for (int64_t d = 0; d < a.D; ++d) {  // per 32-dim chunk: 16 even elements, then 16 odd
+      const uint32_t u = uint32_t(src[d]) << 16;
+      std::memcpy(qf + r * a.D + (d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2, &u, 4);
+    }
   }
 }
 
@@ -69,7 +76,7 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
   const Item& it = p.items[u.item];
   const int64_t R = p.R, D = a.D, C = it.C;
   if (t.q_item != u.item) {
-    pack_queries(a, it, R, t.q.as<uint16_t>());
+    pack_queries(a, it, R, t.q.as<uint16_t>(), t.qf.as<float>());
     t.q_item = u.item;
   }
   float* m = st;
@@ -89,12 +96,14 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
   float* pr = t.pr.as<float>();
   for (int64_t s0 = u.start; s0 < u.end; s0 += kTile) {
     const int n = int(std::min<int64_t>(kTile, u.end - s0));
-    if (pf && s0 + pf < u.end) {
-      const int npf = int(std::min<int64_t>(kTile, u.end - s0 - pf));
-      prefetch_rows(kb + (s0 + pf) * a.k_ss, a.k_ss, npf, D);
-      if (vb) prefetch_rows(vb + (s0 + pf) * a.v_ss, a.v_ss, npf, D);
-    }
-    score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.q.as<uint16_t>(), int(R), c, s, t.tmp.p);
+    Prefetch pk, pv;  // keys `prefetch` tiles ahead and values one tile less (V(t) is read after K(t))
+    if (pf && s0 + pf < u.end)
+      pk = Prefetch{kb + (s0 + pf) * a.k_ss, a.k_ss, int(std::min<int64_t>(kTile, u.end - s0 - pf)), a.prefetch_l2};
+    if (pf && vb && s0 + pf - kTile < u.end)
+      pv = Prefetch{vb + (s0 + pf - kTile) * a.v_ss, a.v_ss, int(std::min<int64_t>(kTile, u.end - s0 - pf + kTile)),
+                    a.prefetch_l2};
+    score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.q.as<uint16_t>(), t.qf.as<float>(), int(R), c, s, t.tmp.p, pk,
+               pv);
     for (int64_t r = 0; r < R; ++r) {
       V x = vload(s + r * kTile);
       if (n < kTile) x = vtail(x, n, kNegInf);
@@ -154,21 +163,27 @@ inline void importance_unit(const Plan& p, const Unit& u, float* srow, const flo
   const int64_t R = p.R, C = it.C, n = u.end - u.start;
   const float* M = ml + u.item * 2 * R;
   const float* inv = M + R;
-  for (int64_t j = 0; j < n; j += kTile) {
-    V acc = vzero();
-    for (int64_t r = 0; r < R; ++r) {
-      const V e = vexp2(vsub(vload(srow + r * C + j), vset(M[r])));
-      acc = vadd(acc, vmul(e, vset(inv[r])));
-    }
-    vstore(srow + j, acc);
+  // Row by row (sequential reads; the running sum, row 0, stays in L1), rows added in order.
+  for (int64_t j = 0; j < n; j += kTile)
+    vstore(srow + j, vmul(vexp2(vsub(vload(srow + j), vset(M[0]))), vset(inv[0])));
+  for (int64_t r = 1; r < R; ++r) {
+    const float* s = srow + r * C;
+    const V m = vset(M[r]), w = vset(inv[r]);
+    for (int64_t j = 0; j < n; j += kTile)
+      vstore(srow + j, vadd(vload(srow + j), vmul(vexp2(vsub(vload(s + j), m)), w)));
   }
   unit_histogram(srow, n, hist);
+}
+
+inline void unit_boundary(const Plan& p, Unit& u, const float* imp) {
+  Item& it = const_cast<Item&>(p.items[u.item]);  // each unit writes its own slice of it.bnd
+  collect_bucket(imp, u.end - u.start, u.start, uint32_t(it.bucket), it.bnd.data() + u.bnd_off);
 }
 
 inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Arena& hists_a) {
   Plan p = make_plan(a);
   const int64_t R = p.R;
-  const int64_t st_stride = R * (2 + (p.want_out ? a.D : 0));
+  const int64_t st_stride = (R * (2 + (p.want_out ? a.D : 0)) + 15) & ~int64_t(15);  // own cache lines
   float* scores = scores_a.get<float>(p.max_score_floats);
   float* states = states_a.get<float>(p.max_wave_units * st_stride);
   uint16_t* hists = hists_a.get<uint16_t>(p.want_topk ? p.max_wave_units * kBuckets : 1);
@@ -215,7 +230,9 @@ inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Ar
       for (int64_t x = 0; x < nu; ++x) {
         const Unit& u = p.units[w.unit0 + x];
         const Item& it = p.items[u.item];
-        if (it.select) unit_emit(p, u, scores + u.slot, a.idx + (it.b * a.KVH + it.h) * a.topk);
+        if (it.select)
+          emit_selected(scores + u.slot, u.end - u.start, u.start, it.cut.bits, it.cut.pos,
+                        a.idx + (it.b * a.KVH + it.h) * a.topk + u.out_off);
       }
     }
   }
@@ -238,7 +255,7 @@ inline void run_gather(const GatherArgs& a) {
     uint16_t* dst = a.dst + (kv * a.B * a.KVH + bh) * a.topk * a.D;
     const int64_t i0 = sl * kSlice, i1 = std::min(a.topk, i0 + kSlice);
     for (int64_t i = i0; i < i1; ++i) {
-      if (i + kAhead < i1 && idx[i + kAhead] >= 0) prefetch_rows(src + idx[i + kAhead] * ss, ss, 1, a.D);
+      if (i + kAhead < i1 && idx[i + kAhead] >= 0) gather_prefetch(src + idx[i + kAhead] * ss, a.D);
       if (idx[i] >= 0)
         copy_row(dst + i * a.D, src + idx[i] * ss, row_bytes);
       else

@@ -107,16 +107,6 @@ void item_bucket(Plan& p, Item& it, const uint16_t* hists, int64_t k) {
   it.bnd.resize(off);
 }
 
-void unit_boundary(const Plan& p, Unit& u, const float* imp) {
-  const Item& it = p.items[u.item];
-  Boundary* out = const_cast<Item&>(it).bnd.data() + u.bnd_off;
-  const uint32_t bucket = uint32_t(it.bucket);
-  for (int64_t j = 0, n = u.end - u.start; j < n; ++j) {
-    uint32_t x = bits_of(imp[j]);
-    if ((x >> kBucketShift) == bucket) *out++ = Boundary{x, int32_t(u.start + j)};
-  }
-}
-
 void item_cutoff(Plan& p, Item& it) {
   std::vector<Boundary> tmp(it.bnd);
   std::nth_element(tmp.begin(), tmp.begin() + (it.need - 1), tmp.end(), better);
@@ -128,18 +118,6 @@ void item_cutoff(Plan& p, Item& it) {
     for (int64_t j = 0; j < un.bnd_count; ++j) in += !better(it.cut, it.bnd[un.bnd_off + j]);
     un.out_off = off;
     off += un.above + in;
-  }
-}
-
-void unit_emit(const Plan& p, const Unit& u, const float* imp, int32_t* idx_item) {
-  const Item& it = p.items[u.item];
-  const uint32_t cb = it.cut.bits;
-  const int32_t cp = it.cut.pos;
-  int32_t* out = idx_item + u.out_off;
-  for (int64_t j = 0, n = u.end - u.start; j < n; ++j) {
-    uint32_t x = bits_of(imp[j]);
-    int32_t pos = int32_t(u.start + j);
-    if (x > cb || (x == cb && pos <= cp)) *out++ = pos;
   }
 }
 

@@ -32,6 +32,13 @@ struct Boundary {  // an importance in the threshold bucket
   int32_t pos;
 };
 
+struct Prefetch {  // rows of a later tile to prefetch while the current one is computed
+  const uint16_t* rows = nullptr;
+  int64_t stride = 0;
+  int n = 0;
+  bool l2 = false;  // prefetcht1 (to L2) instead of prefetcht0
+};
+
 struct Item {
   int64_t b, h, len, C;
   int64_t first_unit, n_units;
@@ -59,9 +66,7 @@ Plan make_plan(const SelectArgs& a);
 // Top-k steps on a unit's importance row imp[0 .. end-start).
 void unit_histogram(const float* imp, int64_t n, uint16_t* hist);
 void item_bucket(Plan& p, Item& it, const uint16_t* hists, int64_t k);  // hists of the item's units
-void unit_boundary(const Plan& p, Unit& u, const float* imp);
 void item_cutoff(Plan& p, Item& it);
-void unit_emit(const Plan& p, const Unit& u, const float* imp, int32_t* idx_item);
 void write_all_positions(const SelectArgs& a, const Item& it);  // topk >= len (or 0)
 
 }  // namespace cllm

@@ -58,6 +58,8 @@ GRID = [  # B, KVH, S, D, G, n_q, lengths, topk
     (2, 1, 999, 64, 8, 2, [998, 999], 998),  # topk = length, and length - 1
     (1, 1, 129, 128, 1, 64, [129], 16),
     (1, 2, 640, 32, 3, 5, [640], 0),
+    (2, 3, 333, 128, 2, 1, [333, 100], 33),  # R = 2 and 3: query rows held in registers
+    (1, 1, 333, 64, 3, 1, [250], 31),
 ]
 
 
@@ -71,15 +73,24 @@ def test_select_matches_reference(case, portable):
     _check(res, select_ref(q, k, v, lengths, topk), q, k, lengths, topk)
 
 
-def test_paths_and_threads_agree_bitwise():
-    q, k, v = _data(2, 2, 6001, 128, 4, 2, seed=1)
+@pytest.mark.parametrize("n_q", [2, 5])  # 8 and 20 rows: both AVX-512 scoring schemes
+def test_paths_forms_and_threads_agree_bitwise(n_q):
+    q, k, v = _data(2, 2, 6001, 128, 4, n_q, seed=1)
     lengths = [6001, 3001]
-    base = cs.select(q, k, v, lengths, 400, threads=1)
-    for kw in ({"threads": 2}, {"threads": 3, "portable": True}, {"threads": 2, "_score_budget": 1}):
-        other = cs.select(q, k, v, lengths, 400, **kw)
-        assert torch.equal(other.topk_idx, base.topk_idx), kw
-        assert torch.equal(other.lse, base.lse), kw
-        torch.testing.assert_close(other.out, base.out, rtol=1e-5, atol=1e-6)
+    base = cs.select(q, k, v, lengths, 400, threads=1, portable=True)
+    variants = [{"threads": 2}, {"threads": 3, "portable": True}, {"threads": 2, "_score_budget": 1},
+                {"prefetch": 2}, {"prefetch": 1, "prefetch_l2": True}]
+    forms = ["fma", "vdpbf16ps"] if cs.isa() == "avx512bf16" else ["auto"]
+    try:
+        for form in forms:
+            cs.set_dot_form(form)
+            for kw in variants:
+                other = cs.select(q, k, v, lengths, 400, **kw)
+                assert torch.equal(other.topk_idx, base.topk_idx), (form, kw)
+                assert torch.equal(other.lse, base.lse), (form, kw)
+                torch.testing.assert_close(other.out, base.out, rtol=1e-5, atol=1e-6)
+    finally:
+        cs.set_dot_form("auto")
 
 
 @pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")

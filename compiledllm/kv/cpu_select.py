@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelectResult", "select", "gather", "read_probe", "isa", "cpu_features", "extension_available"]
+__all__ = ["SelectResult", "select", "gather", "read_probe", "isa", "cpu_features", "extension_available",
+           "set_dot_form"]
 
 MAX_G, MAX_NQ = 8, 64
 _FORCE_PORTABLE = os.environ.get("CLLM_CPU_SELECT_PORTABLE", "") not in ("", "0")
@@ -68,8 +69,14 @@ def isa() -> str:
     return "portable" if _FORCE_PORTABLE else _ext().isa()
 
 
-def cpu_features() -> dict[str, bool]:
+def cpu_features() -> dict[str, bool | str]:
     return dict(_ext().cpu_features())
+
+
+def set_dot_form(mode: str) -> None:
+    """How the AVX-512 path forms bf16 dot products: 'vdpbf16ps', 'fma' (the same bits; VDPBF16PS is
+    slow on some CPUs) or 'auto' (the faster here, measured once per process)."""
+    _ext().set_dot(mode)
 
 
 def _check_cache(name: str, t: object, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -148,11 +155,13 @@ def select(
     threads: int = 0,
     portable: bool = False,
     prefetch: int = 0,
+    prefetch_l2: bool = False,
     _score_budget: int = 0,
 ) -> SelectResult:
     """One layer for a batch (see the module docstring). topk=None skips the selection;
     want_output=False skips V (selection only); portable=True forces the portable path;
-    prefetch is a software prefetch distance in 16-key tiles (0: hardware prefetch only)."""
+    prefetch is a software prefetch distance in 16-key tiles (0: hardware prefetch only), into L2
+    with prefetch_l2. Neither changes results."""
     k_cache = _check_cache("k_cache", k_cache)
     B, KVH, S, D = k_cache.shape
     _check_head_dim(D)
@@ -185,7 +194,7 @@ def select(
         idx.data_ptr() if idx is not None else 0,
         out.data_ptr() if out is not None else 0,
         lse.data_ptr() if lse is not None else 0,
-        threads, portable or _FORCE_PORTABLE, prefetch, _score_budget,
+        threads, portable or _FORCE_PORTABLE, prefetch, bool(prefetch_l2), _score_budget,
     )
     return SelectResult(idx, out, lse, path)
 
