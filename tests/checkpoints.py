@@ -221,12 +221,15 @@ def write_checkpoint(
     *,
     sharded: bool = False,
     tied: bool = False,
+    duplicate_head_rows: bool = False,
     **overrides,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` into `dir` and return the directory.
 
     `tied` (SDAR only) drops `lm_head.weight` and sets tie_word_embeddings.
     `sharded` splits the tensors over 3 files with a `model.safetensors.index.json`.
+    `duplicate_head_rows` copies output-head row 2j into row 2j+1 for every j >= 1, so
+    tokens 2j and 2j+1 always get exactly equal logits (ties must go to the lower id).
     `overrides` replace config keys (e.g. n_group=1, topk_group=1).
     """
     out = Path(dir)
@@ -237,6 +240,14 @@ def write_checkpoint(
         overrides.setdefault("tie_word_embeddings", True)
     cfg = default_config(arch, **overrides)
     tensors = make_tensors(arch, seed, cfg)
+    if duplicate_head_rows:
+        head = {"llada2": "lm_head.weight", "sdar": "lm_head.weight",
+                "llada": "model.transformer.ff_out.weight"}[arch]
+        if head not in tensors:
+            raise ValueError("duplicate_head_rows needs an untied head")
+        w = tensors[head].clone()
+        w[3::2] = w[2:-1:2][: w[3::2].shape[0]]
+        tensors[head] = w
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if not sharded:

@@ -259,15 +259,17 @@ class OracleModel:
 def confidence(logits_row: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (v [n], p [n], gap [n]) with probs = softmax(float32) over the full vocab.
 
-    v = argmax excluding MASK (ties -> lower id), p = probs[v], gap = p - second best (diagnostic).
+    v = argmax excluding MASK (ties -> lower id), p = probs[v], gap = p - best smaller value (diagnostic).
     """
     probs = torch.softmax(logits_row.float(), dim=-1)
     masked = probs.clone()
     masked[:, mask_id] = -1.0
     v = torch.argmax(masked, dim=-1)  # first maximal index == lower id on ties
     p = probs.gather(-1, v[:, None])[:, 0]
-    top2 = masked.topk(2, dim=-1).values
-    return v, p, top2[:, 0] - top2[:, 1]
+    # gap to the best *different* value: exact ties are deterministic (lower id), not near-ties
+    top1 = masked.max(dim=-1, keepdim=True).values
+    rest = masked.masked_fill(masked == top1, -1.0).max(dim=-1).values
+    return v, p, top1[:, 0] - rest
 
 
 def literal_decode(

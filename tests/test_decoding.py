@@ -43,6 +43,9 @@ BIDIRECTIONAL = {
 # (policy, block, prompt_len, max_new_tokens, eos_mode)
 #   prompt_len % block != 0: prompt ends mid-block; == 0: at a boundary.
 #   max_new_tokens is never a multiple of the block except one control case.
+#   eos_mode: "mid" EOS generated mid-block before the last block; "none" never generated;
+#   "prompt" EOS = the last prompt token, inside the first decoded block (only generated
+#   tokens count for stopping).
 THRESHOLD_CASES = [
     ({"name": "threshold", "threshold": 0.9}, 4, 5, 10, "none"),
     ({"name": "threshold", "threshold": 0.5}, 4, 8, 13, "mid"),
@@ -50,12 +53,15 @@ THRESHOLD_CASES = [
     ({"name": "threshold", "threshold": 0.9}, 8, 16, 11, "none"),
     ({"name": "threshold", "threshold": 0.3}, 4, 1, 7, "none"),
     ({"name": "threshold", "threshold": 0.7}, 4, 4, 8, "mid"),
+    ({"name": "threshold", "threshold": 0.5}, 4, 7, 6, "prompt"),
+    ({"name": "threshold", "threshold": 0.5}, 8, 2, 3, "none"),
 ]
 T2T_CASES = [
     ({"name": "t2t", "threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16}, 4, 6, 10, "none"),
     ({"name": "t2t", "threshold": 0.5, "edit_threshold": 0.3, "max_post_steps": 2}, 4, 8, 9, "mid"),
     ({"name": "t2t", "threshold": 0.9, "edit_threshold": 0.6, "max_post_steps": 4}, 8, 5, 14, "mid"),
     ({"name": "t2t", "threshold": 0.3, "edit_threshold": 0.2, "max_post_steps": 1}, 8, 16, 7, "none"),
+    ({"name": "t2t", "threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16}, 4, 3, 9, "prompt"),
 ]
 
 
@@ -132,6 +138,7 @@ def _pick_eos(full: list[int], prompt_len: int, block: int, mode: str) -> tuple[
     "mid": the first-occurring token that sits mid-block (not the block's last slot)
     in a block before the last one, so stopping is early and truncates inside a block.
     "none": an id that never appears in the generation.
+    "prompt": the last prompt token (the caller checks it), stopping where it is first generated.
     """
     last_block = (prompt_len + len(full) - 1) // block
     if mode == "mid":
@@ -294,7 +301,7 @@ def _cases():
         for i, case in enumerate(THRESHOLD_CASES + T2T_CASES):
             out.append(pytest.param(name, *case, id=f"{name}-{case[0]['name']}{i}"))
     for name in BIDIRECTIONAL:
-        for i, case in enumerate(THRESHOLD_CASES[:4]):
+        for i, case in enumerate(THRESHOLD_CASES[:4] + THRESHOLD_CASES[6:]):
             out.append(pytest.param(name, *case, id=f"{name}-threshold{i}"))
     return out
 
@@ -312,7 +319,12 @@ def test_cached_equals_literal(ckpt_dirs, name, policy, block, P, N, eos_mode):
     fn = _logits_fn(_model(d, 0))
     full = _literal(fn, prompt, policy, block, N, 10**9, bidir)
     assert len(full) == N and MASK_ID not in full
-    eos, stop = _pick_eos(full, P, block, eos_mode)
+    if eos_mode == "prompt":
+        assert P % block != 0
+        eos = prompt[-1]
+        stop = full.index(eos) if eos in full else None
+    else:
+        eos, stop = _pick_eos(full, P, block, eos_mode)
     st = {}
     want = _literal(fn, prompt, policy, block, N, eos, bidir, st)
     assert want == (full if stop is None else full[: stop + 1])
@@ -355,6 +367,25 @@ def test_engine_equals_literal_on_oracle(ckpt_dirs, name):
         want = _literal(oracle, prompt, policy, block, N, eos, bidir, st)
         got = generate(_model(d, eos), [prompt], _policy(policy, block), max_new_tokens=N, batch_size=1)
         _assert_same(list(got[0].output_ids), want, st, f"{name} {policy}")
+
+
+@pytest.mark.parametrize("arch", ["llada2", "sdar", "llada"])
+def test_token_ties_go_to_lower_id(tmp_path, arch):
+    """Output-head rows 2j and 2j+1 are equal: every argmax is an exact tie -> the even id."""
+    generate = _generate()
+    d = write_checkpoint(tmp_path, arch, seed=21, duplicate_head_rows=True)
+    bidir = arch == "llada"
+    policies = [({"name": "threshold", "threshold": 0.4}, 4)]
+    if not bidir:
+        policies.append(({"name": "t2t", "threshold": 0.4, "edit_threshold": 0.2, "max_post_steps": 3}, 4))
+    for policy, block in policies:
+        prompt = _prompt(40, 6)
+        model = _model(d, 0)
+        st = {}
+        want = _literal(_logits_fn(model), prompt, policy, block, 9, 0, bidir, st)
+        assert all(t == 0 or t % 2 == 0 for t in want), want
+        got = generate(model, [prompt], _policy(policy, block), max_new_tokens=9, batch_size=1)
+        _assert_same(list(got[0].output_ids), want, st, f"{arch} {policy} ties")
 
 
 # ----------------------------------------------------------------------------- (b) batch invariance
