@@ -64,6 +64,29 @@ def run(
 
 
 @app.command()
+def profile(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    out: Path = typer.Option(Path("profile"), "--out", help="Folder for trace.json, profile.json, profile.png."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
+) -> None:
+    """Run RECIPE eagerly under torch.profiler; print where a step's time goes, per phase."""
+    from compiledllm.profiler import profile_recipe
+
+    try:
+        table, summary, chart = profile_recipe(recipe, out, set_)
+    except UserError as e:
+        fail(str(e))
+    t = Table(title=f"{summary.model} · {summary.policy} · {summary.device} · {summary.forwards} steps")
+    for col in ("phase", "total ms", "ms / step", "ms / block", "share"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for r in table:
+        t.add_row(r.phase, f"{r.total_ms:.1f}", f"{r.per_step_ms:.3f}", f"{r.per_block_ms:.2f}", f"{r.share:.1%}")
+    console.print(t)
+    console.print(f"trace: {out / 'trace.json'}   report: {out / 'profile.json'}")
+    console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for matplotlib)")
+
+
+@app.command()
 def version() -> None:
     """Print the package version."""
     from compiledllm import __version__

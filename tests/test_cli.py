@@ -234,3 +234,15 @@ def test_special_ids_resolution_order(tmp_path):
     model = compiledllm.load_model(ckpt)  # from the tokenizer's special tokens
     assert (model.mask_token_id, model.eos_token_id) == (MASK_ID, EOS_ID)
     assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
+
+
+def test_profile_writes_trace_report_and_chart(tmp_path):
+    res = run_cli("profile", write_recipe(tmp_path), "--out", tmp_path / "prof")
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "prof" / "profile.json").read_text())
+    phases = {r["phase"]: r for r in report["phases"]}
+    assert {"attention", "moe", "mlp", "projections", "head", "acceptance"} <= set(phases)
+    assert report["steps"] == report["summary"]["forwards"] > 0
+    assert all(r["total_ms"] >= 0 for r in phases.values()) and phases["attention"]["total_ms"] > 0
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+    assert (tmp_path / "prof" / "profile.png").read_bytes()[:4] == b"\x89PNG"

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from compiledllm.attention.metadata import DenseAttention, block_causal_mask
+from compiledllm.attention.metadata import WindowAttention
 from compiledllm.engine.memory import check_fits
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
@@ -21,6 +21,7 @@ from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies import PolicyConfig, make_policy, policy_config
+from compiledllm.profiling import phase
 
 
 @dataclass
@@ -29,6 +30,7 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     steps: int                  # forwards made for this request (prefill not counted)
+    blocks: int                 # blocks decoded
     latency_s: float            # admission to finish
     text: str | None = None
     extra: dict = field(default_factory=dict)
@@ -126,11 +128,20 @@ class Engine:
         st.steps[s], st.active[s] = 0, True
         for v in st.policy.values():
             v[s] = 0
-        if kv is not None and start > 0:  # prefill the prompt's full blocks, block-causally, into this slot's KV
-            pos = torch.arange(start, device=st.seq.device)[None]
-            self.model(st.seq[s : s + 1, :start], pos, DenseAttention(block_causal_mask(start, self.block, pos.device)),
-                       kv=kv.rows(s, s + 1), logits_index=pos[:, -1:])
+        if kv is not None and start > 0:
+            with phase("prefill"):
+                self._prefill(st, kv, s, start)
         return index, time.perf_counter()
+
+    def _prefill(self, st: SlotState, kv: KVCache, s: int, end: int, chunk: int = 1024) -> None:
+        """Write the KV of the prompt's full blocks [0, end) into slot s, in chunks of whole blocks: each chunk
+        attends to the cached prefix and block-causally to itself (window slots of one block)."""
+        chunk = max(chunk // self.block, 1) * self.block
+        for c in range(0, end, chunk):
+            n = min(chunk, end - c)
+            pos = torch.arange(c, c + n, device=st.seq.device)[None]
+            meta = WindowAttention(torch.full((1,), c, device=pos.device), self.block)
+            self.model(st.seq[s : s + 1, c : c + n], pos, meta, kv=kv.rows(s, s + 1), logits_index=pos[:, -1:])
 
     def _collect(self, st: SlotState, s: int, index: int, t0: float, prompt: list[int]) -> GenerationResult:
         P = len(prompt)
@@ -139,7 +150,9 @@ class Engine:
         if eos in out:
             out = out[: out.index(eos) + 1]
         tok = self.model.tokenizer
+        blocks = (int(st.block_start[s]) - P // self.block * self.block) // self.block
         return GenerationResult(index=index, prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
+                                blocks=blocks,
                                 latency_s=time.perf_counter() - t0, text=tok.decode(out) if tok else None)
 
 

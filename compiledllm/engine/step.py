@@ -12,6 +12,7 @@ from compiledllm.engine.state import SlotState
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies.base import Policy
+from compiledllm.profiling import phase
 
 
 def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
@@ -28,10 +29,17 @@ def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, kv: 
 
 def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None) -> None:
     block = policy.block_size
-    B, T = st.seq.shape
+    T = st.seq.shape[1]
     idx = (st.block_start[:, None] + torch.arange(block, device=st.seq.device)).clamp(max=T - 1)
     window = st.seq.gather(1, idx)
     logits = block_logits(model, st, idx, kv)
+    with phase("acceptance"):
+        _accept(model, policy, st, idx, window, logits)
+
+
+def _accept(model: BlockDiffusionLM, policy: Policy, st: SlotState, idx, window, logits) -> None:
+    """The policy's update plus per-row bookkeeping: block ends, EOS stop, step counts."""
+    block = policy.block_size
     gen = idx >= st.prompt_len[:, None]
     new_window, block_done, pstate = policy.update(window, logits, gen, st.policy)
 

@@ -9,6 +9,7 @@ from torch import nn
 from compiledllm.attention.metadata import DenseAttention, block_causal_mask
 from compiledllm.models.config import ModelConfig
 from compiledllm.models.layers import DecoderLayer, RMSNorm, Rotary
+from compiledllm.profiling import phase
 
 
 class BlockDiffusionLM(nn.Module, ABC):
@@ -56,7 +57,8 @@ class BlockDiffusionLM(nn.Module, ABC):
             h = h.gather(1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
         h = self.norm(h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ head.t()).float()
+        with phase("head"):
+            return (h @ head.t()).float()
 
     @torch.no_grad()
     def reference_forward(self, input_ids: torch.Tensor, block_size: int | None = 32) -> torch.Tensor:

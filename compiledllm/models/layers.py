@@ -7,6 +7,7 @@ from torch import nn
 
 from compiledllm.attention.backend import attend
 from compiledllm.models.config import ModelConfig, MoEConfig
+from compiledllm.profiling import phase
 
 
 class RMSNorm(nn.Module):
@@ -58,12 +59,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary: Rotary, cos, sin, positions, attn_meta, kv_layer):
         B, L, _ = x.shape
-        q, k, v = self.qkv(x).view(B, L, self.h + 2 * self.kvh, self.hd).split([self.h, self.kvh, self.kvh], dim=2)
+        with phase("projections"):
+            qkv = self.qkv(x)
+        q, k, v = qkv.view(B, L, self.h + 2 * self.kvh, self.hd).split([self.h, self.kvh, self.kvh], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
-        out = attend(q, k, v.contiguous(), positions, attn_meta, kv_layer)
-        return self.o(out.reshape(B, L, self.h * self.hd))
+        with phase("attention"):
+            out = attend(q, k, v.contiguous(), positions, attn_meta, kv_layer)
+        with phase("projections"):
+            return self.o(out.reshape(B, L, self.h * self.hd))
 
 
 class GatedMLP(nn.Module):
@@ -158,4 +163,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rotary, cos, sin, positions, attn_meta, kv_layer):
         h = x + self.attn(self.input_norm(x), rotary, cos, sin, positions, attn_meta, kv_layer)
-        return h + self.mlp(self.post_norm(h))
+        normed = self.post_norm(h)
+        with phase("moe" if isinstance(self.mlp, MoE) else "mlp"):
+            return h + self.mlp(normed)

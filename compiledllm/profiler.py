@@ -1,0 +1,101 @@
+"""`compiledllm profile`: run a recipe under torch.profiler and split a step's time into phases.
+
+The run is eager (no compile, no CUDA graphs) so that each phase's kernels are attributable; the
+labelled ranges come from compiledllm.profiling.phase. Outputs a Chrome trace, a JSON report and a PNG chart.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from compiledllm.profiling import PHASES
+from compiledllm.recipe import Recipe, load_recipe
+from compiledllm.runner import Summary, execute
+
+
+@dataclass(frozen=True)
+class PhaseRow:
+    phase: str
+    total_ms: float
+    per_step_ms: float
+    per_block_ms: float
+    share: float  # of the decode wall time
+
+
+def phase_times(events, cuda: bool) -> dict[str, float]:
+    """Milliseconds per phase label, counting only outermost labelled ranges (prefill holds its own layers)."""
+    out = {p: 0.0 for p in PHASES}
+    for ev in events:
+        if not ev.name.startswith("phase::"):
+            continue
+        parent, nested = ev.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("phase::"):
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            us = ev.device_time_total if cuda else ev.cpu_time_total
+            out[ev.name.removeprefix("phase::")] += us / 1000.0
+    return out
+
+
+def busy_ms(events) -> float:
+    """Total time the GPU ran kernels (self device time of every event)."""
+    return sum(ev.self_device_time_total for ev in events) / 1000.0
+
+
+def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[str] | None = None):
+    recipe = load_recipe(source, overrides)
+    recipe = recipe.model_copy(update={"compile": False, "cuda_graphs": False})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = recipe.model.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        results, summary = execute(recipe)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    times = phase_times(events, cuda)
+    steps = max(summary.forwards, 1)
+    blocks = max(sum(r.blocks for r in results), 1)
+    decode_ms = summary.wall_s * 1000.0
+    rows = [(p, t) for p, t in times.items() if p != "prefill" and t > 0]
+    labelled = sum(t for _, t in rows)
+    if cuda:
+        gpu_busy = busy_ms(events) - times["prefill"]
+        rows.append(("other kernels (norms, rope, embed)", max(gpu_busy - labelled, 0.0)))
+        rows.append(("host gaps (GPU idle)", max(decode_ms - gpu_busy, 0.0)))
+    else:
+        rows.append(("other (norms, rope, embed, host)", max(decode_ms - labelled, 0.0)))
+    table = [PhaseRow(p, t, t / steps, t / blocks, t / decode_ms if decode_ms else 0.0) for p, t in rows]
+    trace = out_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    report = {"summary": summary.__dict__, "steps": steps, "blocks": blocks, "decode_ms": decode_ms,
+              "prefill_ms": times["prefill"], "phases": [r.__dict__ for r in table], "trace": str(trace)}
+    (out_dir / "profile.json").write_text(json.dumps(report, indent=2) + "\n")
+    chart = write_chart(table, summary, out_dir / "profile.png")
+    return table, summary, chart
+
+
+def write_chart(table: list[PhaseRow], summary: Summary, path: Path) -> Path | None:
+    """A horizontal bar chart of per-step milliseconds by phase (None when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(table) + 1.2))
+    ax.barh([r.phase for r in table][::-1], [r.per_step_ms for r in table][::-1], color="#4477aa")
+    ax.set_xlabel("ms per step")
+    ax.set_title(f"{summary.model} · {summary.policy} · {summary.device}: where a step's time goes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
