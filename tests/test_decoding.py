@@ -152,6 +152,13 @@ def _pick_eos(full: list[int], prompt_len: int, block: int, mode: str) -> tuple[
     raise AssertionError("no EOS candidate")
 
 
+def _eos_for_mixed_stops(fulls: list[list[int]], n: int) -> int:
+    """EOS = a token that some (not all) rows generate early, so rows stop at different steps."""
+    counts = Counter(t for f in fulls for t in set(f[: n - 2]))
+    half = len(fulls) / 2
+    return max(counts, key=lambda t: (0 < counts[t] < len(fulls), -abs(counts[t] - half), -t))
+
+
 def _assert_same(got, want, stats, what):
     if got != want and stats.get("min_margin", math.inf) < NEAR_TIE:
         pytest.skip(f"{what}: numerical near-tie (margin {stats['min_margin']:.2e}); not a semantic mismatch")
@@ -410,9 +417,7 @@ def test_batch_invariance(ckpt_dirs, name, policy, block):
     prompts = [_prompt(100 + i, n) for i, n in enumerate(BATCH_LENGTHS)]
     fn = _logits_fn(_model(d, 0))
     fulls = [_literal(fn, p, policy, block, N, 10**9, bidir) for p in prompts]
-    # EOS = a token that several (not all) prompts generate, at different places
-    counts = Counter(t for f in fulls for t in set(f[: N - 2]))
-    eos = max(counts, key=lambda t: (0 < counts[t] < len(prompts), -abs(counts[t] - 4), -t))
+    eos = _eos_for_mixed_stops(fulls, N)
     model = _model(d, eos)
     pol = _policy(policy, block)
     alone = [list(generate(model, [p], pol, max_new_tokens=N, batch_size=1, max_seq_len=max_seq_len)[0].output_ids)
@@ -445,10 +450,14 @@ COMPILE_CASES = [
 @pytest.mark.parametrize("name,policy,block", COMPILE_CASES, ids=[f"{c[0]}-{c[1]['name']}" for c in COMPILE_CASES])
 def test_compiled_equals_eager(ckpt_dirs, name, policy, block):
     generate = _generate()
-    model = _model(ckpt_dirs[name], 0)
-    prompts = [_prompt(200 + i, n) for i, n in enumerate([5, 8, 2])]
+    d = ckpt_dirs[name]
+    prompts = [_prompt(200 + i, n) for i, n in enumerate([5, 8, 2, 11])]
+    fn = _logits_fn(_model(d, 0))
+    eos = _eos_for_mixed_stops([_literal(fn, p, policy, block, 10, 10**9, False) for p in prompts], 10)
+    model = _model(d, eos)
     pol = _policy(policy, block)
     kw = dict(max_new_tokens=10, batch_size=4, max_seq_len=32)
     eager = [list(r.output_ids) for r in generate(model, prompts, pol, compile=False, **kw)]
     compiled = [list(r.output_ids) for r in generate(model, prompts, pol, compile=True, **kw)]
     assert compiled == eager
+    assert len({len(e) for e in eager}) > 1, "rows should stop at different steps"
