@@ -5,7 +5,8 @@
   random tiny models and prompt lengths: prompt ending mid-block and at a block
   boundary, EOS mid-block, max_new_tokens not a multiple of the block, thresholds
   that accept several tokens per step and one at a time, block sizes 4 and 8,
-  LLaDA (bidirectional) with `threshold`;
+  LLaDA (bidirectional) with `threshold`; EOS inside the prompt does not stop; exact
+  token-id ties (duplicated output-head rows) go to the lower id;
 * (b) batch invariance: 8 prompts of mixed lengths in batches of 1, 3 and 8 give
   the tokens each gives alone (same max_seq_len);
 * (c) compiled step == eager step.
