@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from compiledllm.cli import app
-from tests.checkpoints import EOS_ID, MASK_ID, write_checkpoint, write_tokenizer
+from checkpoints import EOS_ID, MASK_ID, write_checkpoint, write_tokenizer
 
 runner = CliRunner()
 

@@ -1,12 +1,39 @@
 """Preallocated per-slot KV cache: [layers][slot][position][kv_head][head_dim] on the device."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache rows; attention reads k/v and writes a forward's fresh K/V at its positions."""
+
+    k: torch.Tensor  # [B, S, KVH, D]
+    v: torch.Tensor
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+        self.k.index_put_((rows, positions), k)
+        self.v.index_put_((rows, positions), v)
+
+
+@dataclass(frozen=True)
+class RecordingLayerKV(LayerKV):
+    """Reads the cache but records the fresh K/V instead of writing them (pure forwards for export)."""
+
+    written: list = field(default_factory=list)
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.written.append((k, v))
+
+
 class KVCache:
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, recording: bool = False):
         self.k, self.v = k, v  # [layers, slots, capacity, KVH, D]
+        self.recording = recording
+        self.layers = [RecordingLayerKV(k[i], v[i]) if recording else LayerKV(k[i], v[i]) for i in range(k.shape[0])]
 
     @classmethod
     def allocate(cls, num_layers, slots, capacity, kv_heads, head_dim, dtype, device) -> "KVCache":
@@ -17,9 +44,14 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> LayerKV:
+        return self.layers[i]
 
     def rows(self, start: int, end: int) -> "KVCache":
         """A view of slots [start, end) (writes go to this cache)."""
-        return KVCache(self.k[:, start:end], self.v[:, start:end])
+        return KVCache(self.k[:, start:end], self.v[:, start:end], self.recording)
+
+    def recorded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[layers, B, L, KVH, D] K and V a recording forward produced."""
+        return (torch.stack([layer.written[-1][0] for layer in self.layers]),
+                torch.stack([layer.written[-1][1] for layer in self.layers]))
