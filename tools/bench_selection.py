@@ -205,6 +205,8 @@ def main() -> None:
     ap.add_argument("--evict-mib", type=int, default=1024, help="buffer read between cold gathers")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the torch baseline gets the same cores
     host = socket.gethostname()
     out = Path(args.out or f"docs/results/bench_selection_{host}.json")
 
