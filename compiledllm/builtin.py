@@ -1,12 +1,20 @@
 """Built-in models: usable by name without a checkpoint directory (the quickstart's default)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from compiledllm.errors import UserError
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+
 # Name -> how to build it. A random built-in is deterministic everywhere (fixed seed); prompts are token ids.
-BUILTINS = {"tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0}}
+# A shipped built-in is a checkpoint directory inside the package (see its README.md model card).
+BUILTINS = {
+    "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train_tiny.py
+    "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0},
+}
 
 
 def is_builtin(name) -> bool:
@@ -31,5 +39,10 @@ def load(name: str, device="cpu", dtype=torch.float32, mask_token_id=None, eos_t
     if name not in BUILTINS:
         raise UserError(f"unknown built-in model {name!r} (built-ins: {', '.join(BUILTINS)})")
     spec = BUILTINS[name]
+    if "path" in spec:
+        from compiledllm.loader import load_model
+
+        return load_model(str(spec["path"]), device=device, dtype=dtype, mask_token_id=mask_token_id,
+                          eos_token_id=eos_token_id)
     return build_random(spec["preset"], device=device, dtype=dtype, seed=spec["seed"], mask_token_id=mask_token_id,
                         eos_token_id=eos_token_id)

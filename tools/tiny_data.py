@@ -110,26 +110,20 @@ def _line_starts(text: str) -> list[int]:
     return starts
 
 
-def _char_to_token(offsets: list[tuple[int, int]]):
-    """char position -> index of the first token starting at or after it."""
-    import bisect
-
-    starts = [s for s, _ in offsets]
-    return lambda c: bisect.bisect_left(starts, c)
-
-
 def _functions(tree) -> list[ast.AST]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def _definitions(tree) -> dict[str, int]:
-    """name -> line of its first definition (def/class/assignment target/import/argument-free attribute)."""
+    """name -> line of its first definition: functions, classes, imports, module- and class-level assignment
+    targets, and `self.<attr>` assignments (function-local variables are not definitions a reader looks up)."""
     defs: dict[str, int] = {}
 
     def add(name, line):
         if name and name not in defs:
             defs[name] = line
 
+    scoped = {id(s) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef)) for s in n.body}
     for n in ast.walk(tree):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             add(n.name, n.lineno)
@@ -137,7 +131,7 @@ def _definitions(tree) -> dict[str, int]:
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
             for t in targets:
                 for x in ast.walk(t):
-                    if isinstance(x, ast.Name):
+                    if isinstance(x, ast.Name) and id(n) in scoped:
                         add(x.id, n.lineno)
                     elif isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
                         add(x.attr, n.lineno)
@@ -147,26 +141,61 @@ def _definitions(tree) -> dict[str, int]:
     return defs
 
 
-def _body_cuts(tree) -> list[tuple[int, int]]:
-    """(function def line, statement line) for statements inside function bodies, from the 2nd statement on."""
-    cuts = []
+def _load_sites(tree, text: str, lines: list[int]) -> set[int]:
+    """Char offsets where a name is read (a Name or an attribute in Load context): uses, not definitions."""
+    sites = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            name, line, col = n.id, n.lineno, n.col_offset
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and n.end_lineno == n.lineno:
+            name, line, col = n.attr, n.end_lineno, n.end_col_offset - len(n.attr)
+        else:
+            continue
+        pos = lines[line - 1] + col  # col offsets count UTF-8 bytes: keep only sites where the text agrees
+        if text[pos : pos + len(name)] == name:
+            sites.add(pos)
+    return sites
+
+
+def _body_lines(tree) -> list[tuple[int, int]]:
+    """(first line of the function incl. decorators, line) for every line of every function body statement."""
+    out = set()
     for fn in _functions(tree):
-        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(getattr(s, "value", None), ast.Constant))]
         first = min([d.lineno for d in fn.decorator_list] + [fn.lineno])
-        for s in body[1:]:
-            cuts.append((first, s.lineno))
-    return sorted(set(cuts))
+        for stmt in fn.body:
+            if isinstance(stmt, ast.Expr) and isinstance(getattr(stmt, "value", None), ast.Constant):
+                continue  # docstrings
+            out.add((first, stmt.lineno))
+    return sorted(out)
 
 
-def build_tasks(tok, held: list[SourceFile], *, n_short: int = 64, n_long: int = 64, ref_len: int = 32,
-                short_max_prompt: int = 384, long_min_prompt: int = 1500, long_max_prompt: int = 1920,
-                far: int = 1000, quiet: int = 384, short_pre: int = 64, per_file: int = 3, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Short-context tasks (continue a function body; prompt = the function from its def line, plus up to
-    `short_pre` tokens before it, at most short_max_prompt tokens) and long-context tasks (long_min_prompt..long_max_prompt
-    tokens of the same file as context; the reference uses an identifier defined >= `far` tokens above the cut
-    and absent from the last `quiet` prompt tokens). Cuts are at statement starts; prompt and reference are
-    contiguous slices of the file's own tokenization. At most `per_file` tasks of each kind per file, spread
-    over as many files as possible."""
+def _rest_of_line(ids: list[int], tokens: list[str], c: int, max_ref: int) -> list[int] | None:
+    """ids[c:] up to (not including) the first token holding a newline; None if empty or longer than max_ref."""
+    end = c
+    while end < len(ids) and "\n" not in tokens[end] and ids[end] != EOS:
+        end += 1
+        if end - c > max_ref:
+            return None
+    return ids[c:end] if end < len(ids) and end > c else None
+
+
+def build_tasks(tok, held: list[SourceFile], *, n_short: int = 64, n_long: int = 64, max_ref: int = 16,
+                min_ref: int = 2, short_max_prompt: int = 384, long_min_prompt: int = 1500,
+                long_max_prompt: int = 1920, far: int = 1000, quiet: int = 384, short_pre: int = 64,
+                per_file: int = 3, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Line-completion tasks (as in CodeXGLUE's line-level completion): the prompt ends inside a line, the
+    reference is the rest of that line (min_ref..max_ref tokens, without the newline).
+
+    code_short: a line of a function body, cut after at least one token of the line; the prompt is the
+      function from its def line (plus up to `short_pre` tokens before it), at most short_max_prompt tokens.
+    code_long: long_min_prompt..long_max_prompt tokens of the same file as context, cut right before a use
+      (a read) of a name defined >= `far` tokens above the cut (inside the prompt; a function, class, import,
+      module/class-level assignment or self attribute) and absent from the last `quiet` prompt tokens:
+      completing the line needs that far-away definition.
+    Prompt and reference are contiguous slices of the file's own tokenization. At most `per_file` tasks of
+    each kind per file, spread over as many files as possible."""
+    import bisect
+
     rng = random.Random(seed)
     short_pool: list[list[dict]] = []
     long_pool: list[list[dict]] = []
@@ -177,33 +206,46 @@ def build_tasks(tok, held: list[SourceFile], *, n_short: int = 64, n_long: int =
             continue
         enc = tok.encode(f.text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
-        to_tok = _char_to_token(offsets)
+        tokens = [f.text[a:b] for a, b in offsets]
+        starts = [a for a, _ in offsets]
         lines = _line_starts(f.text)
-        defs = _definitions(tree)
-        def_tok = {name: to_tok(lines[line - 1]) for name, line in defs.items()
-                   if len(name) >= 4 and not name.startswith("__") and name not in _COMMON}
+        to_tok = lambda ch: bisect.bisect_left(starts, ch)  # noqa: E731  first token starting at/after ch
+        containing = lambda ch: bisect.bisect_right(starts, ch) - 1  # noqa: E731  token holding char ch
         shorts, longs = [], []
-        for first, line in _body_cuts(tree):
-            c = to_tok(lines[line - 1])
-            if c + ref_len > len(ids) or c <= 0:
+        for first, line in _body_lines(tree):
+            a = to_tok(lines[line - 1])
+            b = to_tok(lines[line]) if line < len(lines) else len(ids)
+            content = [i for i in range(a + 1, b) if "\n" not in tokens[i]]
+            if not content:
                 continue
-            ref = ids[c : c + ref_len]
-            if EOS in ref:
-                continue
+            c = rng.choice(content)
+            ref = _rest_of_line(ids, tokens, c, max_ref)
             start = max(0, to_tok(lines[first - 1]) - short_pre)
-            if c - start <= short_max_prompt and c - to_tok(lines[first - 1]) >= 8:
-                shorts.append(_task(tok, f, "code_short", ids, start, c, ref_len, line))
-            if c >= long_min_prompt:
-                p0 = c - min(c, long_max_prompt)
-                ref_text = f.text[offsets[c][0] : offsets[c + ref_len - 1][1]]
+            if ref is not None and len(ref) >= min_ref and c - start <= short_max_prompt:
+                shorts.append(_task(tok, f, "code_short", ids, start, c, ref, line))
+        defs = _definitions(tree)
+        uses = _load_sites(tree, f.text, lines)
+        for name, dline in defs.items():
+            if len(name) < 4 or name.startswith("__") or name in _COMMON:
+                continue
+            d = to_tok(lines[dline - 1])
+            for m in re.finditer(rf"\b{re.escape(name)}\b", f.text):
+                if m.start() not in uses:
+                    continue
+                c = containing(m.start())
+                if c < max(long_min_prompt, d + far) or c - d > long_max_prompt:
+                    continue
                 recent = f.text[offsets[c - quiet][0] : offsets[c - 1][1]]
-                used = [n for n in dict.fromkeys(_IDENT.findall(ref_text)) if n in def_tok
-                        and p0 <= def_tok[n] <= c - far and not re.search(rf"\b{re.escape(n)}\b", recent)]
-                if used:
-                    t = _task(tok, f, "code_long", ids, p0, c, ref_len, line)
-                    t["meta"]["far_identifiers"] = used
-                    t["meta"]["definition_distance"] = c - max(def_tok[n] for n in used)
-                    longs.append(t)
+                if re.search(rf"\b{re.escape(name)}\b", recent):
+                    continue
+                ref = _rest_of_line(ids, tokens, c, max_ref)
+                if ref is None or len(ref) < min_ref:
+                    continue
+                line = bisect.bisect_right(lines, m.start())
+                t = _task(tok, f, "code_long", ids, c - min(c, long_max_prompt), c, ref, line)
+                t["meta"] |= {"far_identifier": name, "definition_distance": c - d}
+                longs.append(t)
+                break  # one cut per identifier
         if shorts:
             short_pool.append(rng.sample(shorts, min(per_file, len(shorts))))
         if longs:
@@ -211,8 +253,8 @@ def build_tasks(tok, held: list[SourceFile], *, n_short: int = 64, n_long: int =
     return _pick(short_pool, n_short, rng, "code_short"), _pick(long_pool, n_long, rng, "code_long")
 
 
-def _task(tok, f: SourceFile, kind: str, ids: list[int], start: int, cut: int, ref_len: int, line: int) -> dict:
-    prompt, ref = ids[start:cut], ids[cut : cut + ref_len]
+def _task(tok, f: SourceFile, kind: str, ids: list[int], start: int, cut: int, ref: list[int], line: int) -> dict:
+    prompt = ids[start:cut]
     return {"id": "", "prompt_ids": prompt, "reference_ids": ref,
             "prompt": tok.decode(prompt, skip_special_tokens=False), "reference": tok.decode(ref, skip_special_tokens=False),
             "meta": {"file": f.rel, "line": line, "kind": kind, "prompt_tokens": len(prompt)}}

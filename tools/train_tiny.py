@@ -70,12 +70,12 @@ PRESETS = {
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
              "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
              "run": {"vocab": 4096, "seq_len": 2048, "batch": 16},
-             "tasks": {"n_short": 64, "n_long": 64, "ref_len": 32}},
+             "tasks": {"n_short": 64, "n_long": 64, "max_ref": 16}},
     "tiny": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
              "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
              "run": {"vocab": 384, "seq_len": 128, "batch": 2},
-             "tasks": {"n_short": 4, "n_long": 4, "ref_len": 8, "short_max_prompt": 48, "long_min_prompt": 64,
+             "tasks": {"n_short": 4, "n_long": 4, "max_ref": 8, "short_max_prompt": 48, "long_min_prompt": 64,
                        "long_max_prompt": 96, "far": 24, "quiet": 8, "short_pre": 8}},
 }
 
@@ -442,6 +442,15 @@ def metrics_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+def task_note(results: dict) -> str:
+    src = results.get("task_source")
+    if not src:
+        return ""
+    return (f" The shipped task files were built after training by `tools/build_tasks.py` from Python {src['python']}'s "
+            f"copies of the held-out files (`{src['root']}`; the split goes by relative path, so none of these files "
+            f"was in the training data); the bigram baseline counts {results.get('bigram_source', 'the training files')}.")
+
+
 def model_card(results: dict) -> str:
     c, d, t = results["config"], results["data"], results["training"]
     params = results["parameters"]
@@ -465,7 +474,7 @@ Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|
 directories included, `site-packages` and non-UTF-8 files excluded: {d['files']} files. Held out: files with
 sha1(relative path)[:8] mod 1000 < {round(d['holdout'] * 1000)} ({d['held_files']} files, {d['held_tokens']:,} tokens);
 training: {d['train_files']} files, {d['train_tokens']:,} tokens. The tokenizer was trained on the training files
-only. Task files (`compiledllm/assets/tasks/`) come from held-out files outside test directories.
+only. Task files (`compiledllm/assets/tasks/`) come from held-out files outside test directories.{task_note(results)}
 
 ## Objective
 Block diffusion as in LLaDA2 / BD3-LM: the noisy copy x_t and the clean copy x_0 of each {t['seq_len']}-token window
