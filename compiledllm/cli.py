@@ -87,6 +87,28 @@ def profile(
 
 
 @app.command()
+def export(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file (model, policy block size, batch buckets, lengths)."),
+    out: Path = typer.Option(..., "--out", help="Folder for the exported engine."),
+    backend: str = typer.Option("aoti", "--backend", help="aoti (AOTInductor) or tensorrt."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
+) -> None:
+    """Package the recipe's step forwards (one per batch bucket) for `compiledllm run` (model.path: OUT)."""
+    from compiledllm.export import export_recipe
+
+    try:
+        with Progress(TextColumn("[bold]exporting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err_console, transient=True) as progress:
+            task = progress.add_task("export", total=None)
+            meta = export_recipe(recipe, out, backend, set_, on_start=lambda n: progress.update(task, total=n),
+                                 on_bucket=lambda b: progress.advance(task))
+    except UserError as e:
+        fail(str(e))
+    console.print(f"exported buckets {meta['buckets']} (block {meta['block_size']}, KV capacity {meta['capacity']}) "
+                  f"to {out}; run it with --set model.path={out}")
+
+
+@app.command()
 def version() -> None:
     """Print the package version."""
     from compiledllm import __version__

@@ -158,7 +158,10 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
                eos_token_id: int | None = None) -> BlockDiffusionLM:
     """Load a Hugging Face-layout checkpoint directory (or a built-in model name) onto `device`."""
     from compiledllm import builtin
+    from compiledllm.export import is_exported, load_exported
 
+    if is_exported(path):
+        return load_exported(path, device)
     if builtin.is_builtin(path):
         return builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
     path = Path(path)

@@ -53,16 +53,19 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        self.compile = compile
-        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        self.buckets = buckets
+        self.exported = hasattr(model, "runners")  # an ExportedModel: fixed buckets and KV capacity, already compiled
+        self.compile = compile and not self.exported
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda" and not self.exported
+        self.buckets = model.buckets if self.exported else buckets
+        if self.exported and self.block != model.block_size:
+            raise UserError(f"policy.block_size {self.block} differs from the exported engine's {model.block_size}")
         self.startup_s = 0.0  # compile / capture time of the last generate()
 
     def capacity_for(self, prompts: list[list[int]]) -> int:
         need = max(working_length(len(p), self.max_new_tokens, self.block) for p in prompts)
-        cap = need if self.max_seq_len is None else self.max_seq_len
+        cap = getattr(self.model, "capacity", None) or (need if self.max_seq_len is None else self.max_seq_len)
         if cap < need:
-            raise UserError(f"max_seq_len {self.max_seq_len} is shorter than the longest working sequence ({need})")
+            raise UserError(f"KV capacity {cap} (max_seq_len) is shorter than the longest working sequence ({need})")
         limit = self.model.config.max_position_embeddings
         if need > limit:
             longest = max(len(p) for p in prompts)
@@ -85,6 +88,8 @@ class Engine:
         self.validate(prompts)
         model, device = self.model, self.model.device
         slots = min(self.batch_size, len(prompts))
+        if self.exported:  # run on exported bucket sizes only
+            slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
         capacity = self.capacity_for(prompts)
         check_fits(model, slots, capacity, self.block)
         try:
@@ -96,7 +101,8 @@ class Engine:
             raise UserError(f"batch_size {slots} with {capacity} positions does not fit in {device} memory") from None
 
         buckets = self.buckets or (default_buckets(slots) if self.cuda_graphs or not self.compile else [slots])
-        if max(buckets) < slots:
+        buckets = [b for b in buckets if b <= slots]
+        if not buckets or max(buckets) < slots:
             buckets = [*buckets, slots]
         stepper = Stepper(model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs)
         self.startup_s = stepper.startup_s
@@ -104,7 +110,7 @@ class Engine:
         queue = deque(enumerate(prompts))
         owner: list[tuple[int, float] | None] = [None] * slots
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for s in range(slots):
+        for s in range(min(slots, len(prompts))):
             owner[s] = self._admit(st, kv, s, *queue.popleft())
         while any(o is not None for o in owner):
             stepper.run(1 + max(s for s, o in enumerate(owner) if o is not None))
