@@ -1,4 +1,6 @@
-"""Preallocated per-slot KV cache: [layers][slot][position][kv_head][head_dim] on the device."""
+"""Preallocated per-slot KV cache: [slot][layer][position][kv_head][head_dim] on the device.
+
+Slot-major, so that the first b slots (a batch bucket) are one contiguous block."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,13 +33,14 @@ class RecordingLayerKV(LayerKV):
 
 class KVCache:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, recording: bool = False):
-        self.k, self.v = k, v  # [layers, slots, capacity, KVH, D]
+        self.k, self.v = k, v  # [slots, layers, capacity, KVH, D]
         self.recording = recording
-        self.layers = [RecordingLayerKV(k[i], v[i]) if recording else LayerKV(k[i], v[i]) for i in range(k.shape[0])]
+        layer_cls = RecordingLayerKV if recording else LayerKV
+        self.layers = [layer_cls(k[:, i], v[:, i]) for i in range(k.shape[1])]
 
     @classmethod
     def allocate(cls, num_layers, slots, capacity, kv_heads, head_dim, dtype, device) -> "KVCache":
-        shape = (num_layers, slots, capacity, kv_heads, head_dim)
+        shape = (slots, num_layers, capacity, kv_heads, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property
@@ -49,9 +52,9 @@ class KVCache:
 
     def rows(self, start: int, end: int) -> "KVCache":
         """A view of slots [start, end) (writes go to this cache)."""
-        return KVCache(self.k[:, start:end], self.v[:, start:end], self.recording)
+        return KVCache(self.k[start:end], self.v[start:end], self.recording)
 
     def recorded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[layers, B, L, KVH, D] K and V a recording forward produced."""
-        return (torch.stack([layer.written[-1][0] for layer in self.layers]),
-                torch.stack([layer.written[-1][1] for layer in self.layers]))
+        """[B, layers, L, KVH, D] K and V a recording forward produced."""
+        return (torch.stack([layer.written[-1][0] for layer in self.layers], dim=1),
+                torch.stack([layer.written[-1][1] for layer in self.layers], dim=1))
