@@ -33,8 +33,8 @@ def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.
     """(v, p): argmax token with MASK excluded (ties -> lower id) and its softmax probability over the full
     vocabulary, in float32. logits [B, L, V] -> [B, L] each."""
     probs = torch.softmax(logits.float(), dim=-1)
-    masked_out = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0)
-    p, v = masked_out.max(dim=-1)  # max returns the first (lowest) index among ties
+    probs[..., mask_id] = -1.0  # a scalar fill: no host-to-device copy, so it captures in a CUDA graph
+    p, v = probs.max(dim=-1)  # max returns the first (lowest) index among ties
     return v, p
 
 

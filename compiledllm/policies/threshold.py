@@ -27,21 +27,18 @@ class ThresholdConfig(PolicyConfig):
             raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
 
 
-def transfer_schedule(block: int, steps: int | None) -> list[int]:
-    """Minimum tokens accepted at each step of a block."""
-    if steps is None:
-        return [1] * block
-    base, extra = divmod(block, steps)
-    return [base + (i < extra) for i in range(steps)] + [1] * block
-
-
 class ThresholdPolicy(Policy):
     name = "threshold"
     config: ThresholdConfig
 
-    def __init__(self, config: ThresholdConfig, mask_id: int):
-        super().__init__(config, mask_id)
-        self.schedule = transfer_schedule(config.block_size, config.steps)
+    def min_accept(self, block_step: torch.Tensor) -> torch.Tensor:
+        """Tokens to accept at least at this step of the block: 1, or with `steps` block // steps, one more in the
+        first block % steps steps (1 once past `steps`). Arithmetic only, so it needs no constant tensors."""
+        steps = self.config.steps
+        if steps is None:
+            return torch.ones_like(block_step)
+        base, extra = divmod(self.block_size, steps)
+        return torch.where(block_step < steps, base + (block_step < extra).long(), torch.ones_like(block_step))
 
     def init_state(self, batch: int, device) -> State:
         return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
@@ -50,8 +47,7 @@ class ThresholdPolicy(Policy):
         v, p = confidence(logits, self.mask_id)
         masked = (window == self.mask_id) & gen
         n_masked = masked.sum(1)
-        schedule = torch.tensor(self.schedule, device=window.device)
-        k_min = torch.minimum(schedule[state["block_step"].clamp(max=len(self.schedule) - 1)], n_masked)
+        k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
         accept = masked & (p > self.config.threshold)
         accept = torch.where((accept.sum(1) < k_min)[:, None], top_confident(p, masked, k_min), accept)
         new_window = torch.where(accept, v, window)

@@ -1,0 +1,184 @@
+"""Decode-step throughput on the GPU against the roofline (issue: GPU engine).
+
+`threshold` with a fixed schedule (tau 1.0, steps 20, block 32) on real-size random models (presets
+llada2.0-mini, sdar-8b). For each context and batch the slot state is built directly: every row has a
+`context`-token prefix whose KV is filled with random values and decodes a fresh block after it. The decode
+step (forward of every row's block against its cached prefix + acceptance) is timed eagerly and as a
+replayed CUDA graph (optionally compiled + captured) with CUDA events, and compared with the roofline
+step time from ceilings measured in the same run: max(bytes / HBM bandwidth, FLOPs / bf16 matmul rate)
+over weights read, KV read and the head.
+
+    python tools/bench_decode.py --out docs/results/bench_decode_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from compiledllm.engine.state import SlotState
+from compiledllm.engine.step import block_logits, decode_step
+from compiledllm.engine.stepper import Stepper
+from compiledllm.kv.cache import KVCache
+from compiledllm.loader import build_random
+from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
+
+BLOCK, STEPS = 32, 20
+
+
+def time_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings() -> dict:
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    hbm = 2 * src.numel() * 2 / (ms / 1e3)
+    del src, dst
+    n = 8192
+    a, b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda"), torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda: a @ b, 10)
+    return {"hbm_bytes_per_s": hbm, "bf16_flops_per_s": 2 * n**3 / (ms / 1e3)}
+
+
+def step_costs(cfg, batch: int, context: int) -> dict:
+    """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape."""
+    tokens = batch * BLOCK
+    d, L, H, KVH, hd, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    attn = d * (H + 2 * KVH) * hd + H * hd * d
+    dense = 3 * d * cfg.intermediate_size
+    if cfg.moe is not None:
+        m = cfg.moe
+        expert, shared, router = 3 * d * m.expert_dim, 3 * d * m.expert_dim * m.num_shared, d * m.num_experts
+        touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)  # expected distinct experts
+        moe_layers = L - m.first_dense_layers
+        read = L * attn + m.first_dense_layers * dense + moe_layers * (router + shared + touched * expert)
+        active = L * attn + m.first_dense_layers * dense + moe_layers * (router + shared + m.top_k * expert)
+    else:
+        read = active = L * (attn + dense)
+    weight_bytes = 2 * (read + V * d)
+    kv_bytes = batch * L * 2 * KVH * hd * 2 * (context + BLOCK)
+    flops = 2 * tokens * (active + V * d) + 4 * batch * BLOCK * (context + BLOCK) * H * hd * L
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops}
+
+
+def synthetic_state(model, policy, batch: int, context: int) -> tuple[SlotState, KVCache]:
+    cfg, dev = model.config, model.device
+    capacity = context + 16 * BLOCK
+    st = SlotState.allocate(batch, capacity, policy.init_state(batch, dev), model.mask_token_id, dev)
+    st.seq[:, :context] = torch.randint(0, cfg.vocab_size - 2, (batch, context), device=dev)
+    st.prompt_len.fill_(context)
+    st.work_len.fill_(capacity)
+    st.block_start.fill_(context)
+    st.active.fill_(True)
+    kv = KVCache.allocate(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, model.dtype, dev)
+    kv.k.normal_()
+    kv.v.normal_()
+    return st, kv
+
+
+def max_batch(model, context: int) -> int:
+    cfg = model.config
+    per_row = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * (context + 16 * BLOCK)
+    per_row += BLOCK * cfg.vocab_size * 4 * 4 + BLOCK * 64 * cfg.hidden_size * 4  # logits/softmax + activations
+    free = torch.cuda.mem_get_info()[0]
+    return max(1, int(0.80 * free // per_row))
+
+
+def bench_point(model, policy, batch, context, ceil, modes) -> dict:
+    rec = {"batch": batch, "context": context}
+    st, kv = synthetic_state(model, policy, batch, context)
+    idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
+    with torch.no_grad():
+        if "eager" in modes:
+            rec["eager_ms"] = time_ms(lambda: decode_step(model, policy, st, kv), 8)
+            rec["eager_forward_ms"] = time_ms(lambda: block_logits(model, st, idx, kv), 8)
+        for mode in [m for m in modes if m != "eager"]:
+            t0 = time.perf_counter()
+            stepper = Stepper(model, policy, st, kv, [batch], compile=mode == "compiled+graphs", cuda_graphs=True)
+            rec[f"{mode}_startup_s"] = time.perf_counter() - t0
+            rec[f"{mode}_ms"] = time_ms(lambda: stepper.run(batch), 20)
+            del stepper
+    costs = step_costs(model.config, batch, context)
+    roof_bytes = (costs["weight_bytes"] + costs["kv_bytes"]) / ceil["hbm_bytes_per_s"] * 1e3
+    roof_flops = costs["flops"] / ceil["bf16_flops_per_s"] * 1e3
+    rec |= costs | {"roofline_ms": max(roof_bytes, roof_flops), "roofline_bound": "memory" if roof_bytes >= roof_flops else "compute"}
+    best = min(rec.get(f"{m}_ms", math.inf) for m in modes)
+    rec["best_ms"] = best
+    rec["tokens_per_s"] = batch * BLOCK / (STEPS + 1) / (best / 1e3)  # tokens decoded per forward: block / (T+1)
+    rec["roofline_ratio"] = best / rec["roofline_ms"]
+    del st, kv
+    torch.cuda.empty_cache()
+    return rec
+
+
+def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> None:
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil, "block": BLOCK,
+           "steps": STEPS, "threshold": 1.0, "modes": modes, "records": records, "date": time.strftime("%Y-%m-%d")}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", default="llada2.0-mini:4096,32768;sdar-8b:4096,16384",
+                    help="preset:context,context;... (contexts in tokens)")
+    ap.add_argument("--batches", default="1,8,32,64,max")
+    ap.add_argument("--modes", default="eager,graphs")
+    ap.add_argument("--out", default="docs/results/bench_decode.json")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    ceil = ceilings()
+    print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+          flush=True)
+    records = []
+    for item in args.plan.split(";"):
+        preset, contexts = item.split(":")
+        t0 = time.perf_counter()
+        model = build_random(preset, device="cuda", dtype=torch.bfloat16)
+        build_s = time.perf_counter() - t0
+        policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
+        for context in map(int, contexts.split(",")):
+            fit = max_batch(model, context)
+            batches = sorted({b for b in (fit if x == "max" else int(x) for x in args.batches.split(",")) if b <= fit})
+            for batch in batches:
+                try:
+                    rec = bench_point(model, policy, batch, context, ceil, modes)
+                except torch.OutOfMemoryError as e:
+                    rec = {"batch": batch, "context": context, "error": f"OOM: {str(e).splitlines()[0]}"}
+                    torch.cuda.empty_cache()
+                except Exception as e:  # keep the run going; the JSON says what failed
+                    rec = {"batch": batch, "context": context, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit}
+                records.append(rec)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
+                write_json(args.out, ceil, modes, records)  # after every point: a cut-off run keeps what it measured
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n{'model':14} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'roof ms':>8} {'vs roof':>7} {'tok/s':>9}")
+    for r in records:
+        if "error" in r:
+            print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4}  {r['error'][:60]}")
+            continue
+        e, g = r.get("eager_ms", float("nan")), r.get("graphs_ms", float("nan"))
+        print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4} {e:9.2f} {g:9.2f} {e / g:5.2f} {r['roofline_ms']:8.2f} "
+              f"{r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f}")
+
+
+if __name__ == "__main__":
+    main()
