@@ -147,7 +147,8 @@ class Engine:
             n = min(chunk, end - c)
             pos = torch.arange(c, c + n, device=st.seq.device)[None]
             meta = WindowAttention(torch.full((1,), c, device=pos.device), self.block)
-            self.model(st.seq[s : s + 1, c : c + n], pos, meta, kv=kv.rows(s, s + 1), logits_index=pos[:, -1:])
+            last = torch.full((1, 1), n - 1, device=pos.device)  # logits are not needed: keep the head to one row
+            self.model(st.seq[s : s + 1, c : c + n], pos, meta, kv=kv.rows(s, s + 1), logits_index=last)
 
     def _collect(self, st: SlotState, s: int, index: int, t0: float, prompt: list[int]) -> GenerationResult:
         P = len(prompt)
