@@ -45,3 +45,17 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+
+
+def hf_decoder_fields(c: dict, *, rope_theta: float, block_size: int) -> dict:
+    """ModelConfig fields named the usual Hugging Face way (`hidden_size`, `num_attention_heads`, ...), shared by
+    the LLaDA2 and Qwen3-layout (SDAR) configs; the architecture file adds what is its own."""
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        head_dim=hd, intermediate_size=c["intermediate_size"], rope_theta=float(c.get("rope_theta", rope_theta)),
+        rms_eps=c.get("rms_norm_eps", 1e-6), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        bidirectional=False, max_position_embeddings=c.get("max_position_embeddings", 32768),
+        default_block_size=block_size, mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
+    )

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from compiledllm.models import weights
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.models.config import ModelConfig, MoEConfig
+from compiledllm.models.config import ModelConfig, MoEConfig, hf_decoder_fields
 from compiledllm.models.layers import MoE
 
 ARCHITECTURES = ("LLaDA2MoeModelLM",)
@@ -12,17 +12,10 @@ DEFAULTS = {"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32}
 
 
 def parse_config(c: dict) -> ModelConfig:
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    fields = hf_decoder_fields(c, rope_theta=600000.0, block_size=DEFAULTS["block_size"])
     return ModelConfig(
-        architecture="llada2_moe",
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        head_dim=hd, intermediate_size=c["intermediate_size"], rope_theta=float(c.get("rope_theta", 600000.0)),
-        rotary_dim=int(hd * c.get("partial_rotary_factor", 0.5)), rms_eps=c.get("rms_norm_eps", 1e-6),
-        qk_norm=c.get("use_qk_norm", True), tie_word_embeddings=c.get("tie_word_embeddings", False),
-        bidirectional=False, max_position_embeddings=c.get("max_position_embeddings", 32768),
-        default_block_size=DEFAULTS["block_size"],
-        mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
+        architecture="llada2_moe", rotary_dim=int(fields["head_dim"] * c.get("partial_rotary_factor", 0.5)),
+        qk_norm=c.get("use_qk_norm", True), **fields,
         moe=MoEConfig(
             num_experts=c["num_experts"], top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
             num_shared=c.get("num_shared_experts") or 0, n_group=c.get("n_group") or 1,

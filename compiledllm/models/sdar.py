@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from compiledllm.models import weights
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.models.config import ModelConfig
+from compiledllm.models.config import ModelConfig, hf_decoder_fields
 
 ARCHITECTURES = ("SDARForCausalLM",)
 MODEL_TYPES = ("sdar",)
@@ -11,17 +11,8 @@ DEFAULTS = {"mask_token_id": 151669, "eos_token_id": 151645, "block_size": 4}
 
 
 def parse_config(c: dict) -> ModelConfig:
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return ModelConfig(
-        architecture="sdar",
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
-        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        head_dim=hd, intermediate_size=c["intermediate_size"], rope_theta=float(c.get("rope_theta", 1e6)),
-        rotary_dim=hd, rms_eps=c.get("rms_norm_eps", 1e-6), qk_norm=True,
-        tie_word_embeddings=c.get("tie_word_embeddings", False), bidirectional=False,
-        max_position_embeddings=c.get("max_position_embeddings", 32768), default_block_size=DEFAULTS["block_size"],
-        mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
-    )
+    fields = hf_decoder_fields(c, rope_theta=1e6, block_size=DEFAULTS["block_size"])
+    return ModelConfig(architecture="sdar", rotary_dim=fields["head_dim"], qk_norm=True, **fields)
 
 
 class SDAR(BlockDiffusionLM):
