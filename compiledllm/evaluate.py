@@ -3,7 +3,8 @@
 A task file is JSONL, one task a line: the prompt (`prompt_ids`, or `prompt` text) and the reference
 continuation (`reference_ids`, or `reference` text), optionally an `id`. Token ids take precedence (they are
 the exact token boundary of the original text; re-encoding prompt and reference separately can split a
-token differently); an eval recipe with `tokens: text` encodes the text fields instead (for other models).
+token differently); an eval recipe with `tokens: text` encodes the text fields instead where a task has them
+(for models with another tokenizer).
 
 Per policy and task file it reports:
   exact_match      share of tasks whose first len(reference) generated tokens equal the reference
@@ -118,9 +119,10 @@ def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | Non
             raise UserError(f"{file}:{n}: a task is a JSON object")
         ids = {}
         for key in ("prompt", "reference"):
-            if tokens == "ids" and rec.get(f"{key}_ids") is not None:
+            has_ids, has_text = rec.get(f"{key}_ids") is not None, isinstance(rec.get(key), str)
+            if has_ids and (tokens == "ids" or not has_text):
                 ids[key] = [int(t) for t in rec[f"{key}_ids"]]
-            elif isinstance(rec.get(key), str):
+            elif has_text:
                 if tokenizer is None:
                     raise UserError(f"{file}:{n}: {key} is text but the model has no tokenizer.json")
                 ids[key] = tokenizer.encode(rec[key])

@@ -5,8 +5,9 @@ One run does everything (so one GPU call produces the checkpoint and its numbers
   1. corpus: the running interpreter's stdlib *.py files, split train / held out by sha1(relative path)
      (tools/tiny_data.py says exactly which files);
   2. tokenizer: byte-level BPE trained on the training files (<|endoftext|> EOS, <|pad|>, <|mask|>);
-  3. task files from held-out files: code_short.jsonl (continue a function body) and code_long.jsonl
-     (1,500-1,920 tokens of context; the continuation uses an identifier defined >= 1,000 tokens above);
+  3. line-completion task files from held-out files (tools/tiny_data.build_tasks): code_short.jsonl (finish a
+     line of a function body, the function as context) and code_long.jsonl (1,500-1,920 tokens of the same file
+     as context, cut right before a use of a name defined >= 1,000 tokens above);
   4. training with the project's own model class (LLaDA2 MoE layout: dense first layer, 8 experts top-2 with
      a shared expert, group-limited routing, q/k norm, partial RoPE), objective below, AdamW + cosine, bf16
      autocast on CUDA, stopped by step count or wall clock;
@@ -439,6 +440,15 @@ def metrics_tables(results: dict) -> str:
         b = r["baseline_bigram"]
         lines += [f"| bigram baseline (greedy) | {b['exact_match']:.3f} | {b['token_accuracy']:.3f} | "
                   f"{b['prefix_tokens']:.2f} | - | - | - |", ""]
+    ab = results.get("long_context_ablation")
+    if ab:
+        lines += [f"Long-context ablation ({ab['note']}; `{ab['policy']}`):", "",
+                  "| prompt | exact match | token acc | prefix tokens |", "|---|---:|---:|---:|"]
+        for key, m in ab.items():
+            if isinstance(m, dict):
+                name = "full (1,500-1,920 tokens)" if key == "full" else key.replace("_", " ") + " tokens"
+                lines.append(f"| {name} | {m['exact_match']:.3f} | {m['token_accuracy']:.3f} | {m['prefix_tokens']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -471,7 +481,7 @@ Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|
 
 ## Data and split
 `*.py` files under the training interpreter's stdlib directory (Python {d['python']}, `{d['root']}`), test
-directories included, `site-packages` and non-UTF-8 files excluded: {d['files']} files. Held out: files with
+directories included as far as that installation ships them, `site-packages` and non-UTF-8 files excluded: {d['files']} files. Held out: files with
 sha1(relative path)[:8] mod 1000 < {round(d['holdout'] * 1000)} ({d['held_files']} files, {d['held_tokens']:,} tokens);
 training: {d['train_files']} files, {d['train_tokens']:,} tokens. The tokenizer was trained on the training files
 only. Task files (`compiledllm/assets/tasks/`) come from held-out files outside test directories.{task_note(results)}
@@ -497,6 +507,17 @@ Reproduce: `{results['command']}`.
 
 ## Held-out metrics
 {metrics_tables(results)}
+## Limitations
+* A 7M-parameter model trained for minutes: it writes syntactically plausible, often repetitive Python and
+  knows nothing beyond the standard library. Prompts should end inside a line of code (as the task prompts do):
+  a prompt ending in a bare newline is rare in its training text and often gets EOS.
+* {t['tokens_seen'] / max(d['train_tokens'], 1):.0f} passes over {d['train_tokens']:,} training tokens: the model fits its training text
+  better than held-out text (held-out masked loss {t['final'].get('held_masked_loss', float('nan')):.2f} at the end; last training
+  batch {t['final'].get('masked_loss', float('nan')):.2f}; see `docs/results/tiny_model_training_history.json`).
+* Long-context retrieval is weak: the ablation above shows whether accuracy on `code_long.jsonl` depends on the far
+  context. Where it does not, a long-context approximation can only be judged by its agreement with the exact decode.
+* tokens/forward counts continuation tokens (at most {results['tasks'].get('code_short.jsonl', {}).get('max_new_tokens', 16) if results.get('tasks') else 16})
+  per forward, while the decode fills whole 32-token blocks, so values below 1 do not mean less than one commit per forward.
 """
 
 
