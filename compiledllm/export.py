@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -61,7 +60,7 @@ def example_inputs(model: BlockDiffusionLM, bucket: int, block: int, capacity: i
 
 
 def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: int, buckets: list[int],
-                 source_dir: Path | None = None, backend: str = "aoti", on_bucket=None) -> Path:
+                 backend: str = "aoti", on_bucket=None) -> Path:
     """Write one package per bucket plus the metadata into `out`."""
     if backend == "tensorrt":
         try:
@@ -92,10 +91,8 @@ def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: in
             "capacity": capacity, "buckets": sorted(int(b) for b in files), "files": files,
             "mask_token_id": model.mask_token_id, "eos_token_id": model.eos_token_id}
     (out / EXPORT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    if source_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (source_dir / name).exists():
-                shutil.copy(source_dir / name, out / name)
+    if model.tokenizer is not None:
+        model.tokenizer.save(out)
     return out
 
 
@@ -169,7 +166,6 @@ def export_recipe(source, out: Path, backend: str = "aoti", overrides: list[str]
     buckets = recipe.buckets or default_buckets(recipe.batch_size)
     if on_start is not None:
         on_start(len(set(buckets) | ({1} if not model.bidirectional else set())))
-    source_dir = Path(recipe.model.path) if recipe.model.init == "checkpoint" and Path(recipe.model.path).is_dir() else None
-    export_model(model, out, block=engine.block, capacity=capacity, buckets=buckets, source_dir=source_dir,
-                 backend=backend, on_bucket=on_bucket)
+    export_model(model, out, block=engine.block, capacity=capacity, buckets=buckets, backend=backend,
+                 on_bucket=on_bucket)
     return json.loads((out / EXPORT_FILE).read_text())

@@ -41,6 +41,11 @@ class TextTokenizer:
                 raise UserError(f"{cfg_file}: malformed JSON ({e})") from None
         return cls(tok, config)
 
+    def save(self, path: Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json into `path` (the layout from_dir reads)."""
+        self.tokenizer.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from checkpoints import write_checkpoint
+from checkpoints import write_checkpoint, write_tokenizer
 from typer.testing import CliRunner
 
 from compiledllm.cli import app
@@ -16,9 +16,10 @@ runner = CliRunner()
 @pytest.mark.slow
 def test_exported_engine_matches_eager(tmp_path):
     ckpt = write_checkpoint(tmp_path / "m", "llada2", 3)
+    write_tokenizer(ckpt)  # the exported engine carries the tokenizer: text prompts still work
     recipe = {"model": {"path": str(ckpt)}, "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},
               "generation": {"max_new_tokens": 9, "max_seq_len": 32},
-              "prompts": [{"ids": [5, 6, 7]}, {"ids": list(range(10, 19))}, {"ids": [40]}],
+              "prompts": [{"ids": [5, 6, 7]}, {"ids": list(range(10, 19))}, {"text": "the quick brown fox"}],
               "batch_size": 1, "buckets": [1], "output": str(tmp_path / "eager.jsonl")}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -32,11 +33,12 @@ def test_exported_engine_matches_eager(tmp_path):
     assert res.exit_code == 0, res.output
 
     def rows(name):
-        return {r["index"]: (r["output_ids"], r["steps"]) for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+        return {r["index"]: (r["output_ids"], r["steps"], r["text"])
+                for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
 
     eager, aoti = rows("eager.jsonl"), rows("aoti.jsonl")
     assert eager == aoti and len(eager) == 3
-    assert len({tuple(ids) for ids, _ in eager.values()}) > 1  # real, varied outputs
+    assert len({tuple(ids) for ids, _, _ in eager.values()}) > 1  # real, varied outputs
 
 
 def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
