@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import math
 from collections import Counter
 from pathlib import Path
@@ -23,6 +22,9 @@ import torch
 
 from checkpoints import MASK_ID, write_checkpoint
 from oracle import OracleModel, literal_decode
+
+import compiledllm
+from compiledllm.engine import generate
 
 V = 96
 NEAR_TIE = 1e-5  # a decision this close to a threshold / tie may flip between float paths
@@ -69,29 +71,6 @@ T2T_CASES = [
 # ----------------------------------------------------------------------------- helpers
 
 
-def _skip_if_unwritten(modname: str):
-    try:
-        return importlib.import_module(modname)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("compiledllm"):
-            pytest.skip(f"{e.name} not written yet")
-        raise
-
-
-def _load_model():
-    _skip_if_unwritten("compiledllm.loader")
-    import compiledllm
-
-    return compiledllm.load_model
-
-
-def _generate():
-    engine = _skip_if_unwritten("compiledllm.engine")
-    if not hasattr(engine, "generate"):
-        pytest.skip("compiledllm.engine.generate not written yet")
-    return engine.generate
-
-
 @pytest.fixture(scope="module")
 def ckpt_dirs(tmp_path_factory) -> dict[str, Path]:
     out = {}
@@ -106,7 +85,7 @@ _MODELS: dict = {}
 def _model(d: Path, eos: int):
     key = (str(d), eos)
     if key not in _MODELS:
-        _MODELS[key] = _load_model()(d, device="cpu", dtype=torch.float32, eos_token_id=eos)
+        _MODELS[key] = compiledllm.load_model(d, device="cpu", dtype=torch.float32, eos_token_id=eos)
         assert _MODELS[key].eos_token_id == eos
     return _MODELS[key]
 
@@ -343,7 +322,6 @@ def test_cached_equals_literal(ckpt_dirs, name, policy, block, P, N, eos_mode):
     _SEEN["single_accept_steps"] += sum(a == 1 for a in st["accepted"])
     _SEEN["cases"] += 1
 
-    generate = _generate()
     model = _model(d, eos)
     res = generate(model, [prompt], _policy(policy, block), max_new_tokens=N, batch_size=1)
     assert len(res) == 1
@@ -362,7 +340,6 @@ def test_grid_exercised_both_regimes():
 @pytest.mark.parametrize("name", ["llada2_g4_s1", "sdar_tied_s5", "llada_s7"])
 def test_engine_equals_literal_on_oracle(ckpt_dirs, name):
     """Ties the engine directly to the float64 oracle (no lead code in the expected tokens)."""
-    generate = _generate()
     d = ckpt_dirs[name]
     bidir = name in BIDIRECTIONAL
     oracle = OracleModel(d)
@@ -380,7 +357,6 @@ def test_engine_equals_literal_on_oracle(ckpt_dirs, name):
 @pytest.mark.parametrize("arch", ["llada2", "sdar", "llada"])
 def test_token_ties_go_to_lower_id(tmp_path, arch):
     """Output-head rows 2j and 2j+1 are equal: every argmax is an exact tie -> the even id."""
-    generate = _generate()
     d = write_checkpoint(tmp_path, arch, seed=21, duplicate_head_rows=True)
     bidir = arch == "llada"
     policies = [({"name": "threshold", "threshold": 0.4}, 4)]
@@ -411,7 +387,6 @@ BATCH_CASES = [
 
 @pytest.mark.parametrize("name,policy,block", BATCH_CASES, ids=[f"{c[0]}-{c[1]['name']}" for c in BATCH_CASES])
 def test_batch_invariance(ckpt_dirs, name, policy, block):
-    generate = _generate()
     d = ckpt_dirs[name]
     bidir = name in BIDIRECTIONAL
     N, max_seq_len = 12, 48
@@ -450,7 +425,6 @@ COMPILE_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,policy,block", COMPILE_CASES, ids=[f"{c[0]}-{c[1]['name']}" for c in COMPILE_CASES])
 def test_compiled_equals_eager(ckpt_dirs, name, policy, block):
-    generate = _generate()
     d = ckpt_dirs[name]
     prompts = [_prompt(200 + i, n) for i, n in enumerate([5, 8, 2, 11])]
     fn = _logits_fn(_model(d, 0))

@@ -6,7 +6,6 @@ written as a single file and as shards. Also self-checks of the oracle itself.
 """
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
@@ -14,6 +13,8 @@ import torch
 
 from checkpoints import EOS_ID, MASK_ID, write_checkpoint, write_tokenizer
 from oracle import OracleModel, load_checkpoint, oracle_logits, visibility
+
+import compiledllm
 
 MODELS = {
     "llada2_g4": ("llada2", {}),
@@ -27,15 +28,6 @@ MODELS = {
 
 
 def load_model(*args, **kwargs):
-    """compiledllm.load_model; skips (only) while the loader module does not exist yet."""
-    try:
-        importlib.import_module("compiledllm.loader")
-    except ModuleNotFoundError as e:
-        if e.name in ("compiledllm.loader", "compiledllm"):
-            pytest.skip("compiledllm.loader not written yet")
-        raise
-    import compiledllm
-
     return compiledllm.load_model(*args, **kwargs)
 
 
