@@ -78,7 +78,13 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
                     cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets)
     if on_start is not None:
         on_start(len(prompts))
-    sink = output.open("w") if output is not None else None
+    sink = None
+    if output is not None:
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            sink = output.open("w")
+        except OSError as e:
+            raise UserError(f"output: cannot write {output} ({e.strerror})") from None
     try:
         def record(res: GenerationResult) -> None:
             if sink is not None:  # written as each request ends, so an interrupted run keeps what finished

@@ -246,3 +246,10 @@ def test_profile_writes_trace_report_and_chart(tmp_path):
     assert all(r["total_ms"] >= 0 for r in phases.values()) and phases["attention"]["total_ms"] > 0
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
     assert (tmp_path / "prof" / "profile.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_output_into_new_folder_and_unwritable_output(tmp_path):
+    res = run_cli("run", write_recipe(tmp_path), "--output", tmp_path / "new" / "dir" / "r.jsonl")
+    assert res.exit_code == 0 and (tmp_path / "new" / "dir" / "r.jsonl").exists(), res.output
+    (tmp_path / "file").write_text("x")
+    assert_user_error(run_cli("run", write_recipe(tmp_path), "--output", tmp_path / "file" / "r.jsonl"), "output")
