@@ -107,7 +107,8 @@ def bench_point(model, policy, batch, context, ceil, modes) -> dict:
     with torch.no_grad():
         if "eager" in modes:
             rec["eager_ms"] = time_ms(lambda: decode_step(model, policy, st, kv), 8)
-            rec["eager_forward_ms"] = time_ms(lambda: block_logits(model, st, idx, kv), 8)
+            window = st.seq.gather(1, idx)
+            rec["eager_forward_ms"] = time_ms(lambda: block_logits(model, st, idx, window, kv), 8)
         for mode in [m for m in modes if m != "eager"]:
             t0 = time.perf_counter()
             stepper = Stepper(model, policy, st, kv, [batch], compile=mode == "compiled+graphs", cuda_graphs=True)

@@ -15,15 +15,15 @@ from compiledllm.policies.base import Policy
 from compiledllm.profiling import phase
 
 
-def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
-    """Float32 logits [B, Bk, V] of each row's block window at positions idx [B, Bk]."""
+def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, window: torch.Tensor,
+                 kv: KVCache | None) -> torch.Tensor:
+    """Float32 logits [B, Bk, V] of each row's block window (tokens `window` at positions idx [B, Bk])."""
     if model.bidirectional:
         # Bidirectional models forward the whole working sequence each step (no cache); padding keys are hidden.
         B, T = st.seq.shape
         pos = torch.arange(T, device=st.seq.device).expand(B, T)
         visible = (pos < st.work_len[:, None])[:, None, :]  # [B, 1, T] -> every query sees the row's sequence
         return model(st.seq, pos, DenseAttention(visible), logits_index=idx)
-    window = st.seq.gather(1, idx)
     return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv)
 
 
@@ -32,7 +32,7 @@ def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCa
     T = st.seq.shape[1]
     idx = (st.block_start[:, None] + torch.arange(block, device=st.seq.device)).clamp(max=T - 1)
     window = st.seq.gather(1, idx)
-    logits = block_logits(model, st, idx, kv)
+    logits = block_logits(model, st, idx, window, kv)
     with phase("acceptance"):
         _accept(model, policy, st, idx, window, logits)
 
