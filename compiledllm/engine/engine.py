@@ -1,8 +1,9 @@
 """The engine: request slots over static buffers, admission between steps, results.
 
 Requests wait in a queue; a free slot takes the next one between steps (its prompt's full blocks are
-prefilled into the slot's KV), every step decodes all slots at once, and a slot is freed as soon as its
-request ends. Each row's tokens depend on its own prompt only (batch invariance).
+prefilled into the slot's KV), every step decodes the smallest batch bucket holding all busy slots, and a
+slot is freed as soon as its request ends. Each row's tokens depend on its own prompt only (batch
+invariance, for a given KV capacity).
 """
 from __future__ import annotations
 
