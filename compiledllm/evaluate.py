@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compiledllm.errors import UserError
-from compiledllm.recipe import ModelSpec, parse_overrides, set_path
+from compiledllm.recipe import ModelSpec, load_validated
 
 TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
 
@@ -200,36 +199,7 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
 
 
 def load_eval_recipe(source: str | Path | dict | EvalRecipe, overrides: list[str] | None = None) -> EvalRecipe:
-    if isinstance(source, EvalRecipe) and not overrides:
-        return source
-    name, base = "eval recipe", "."
-    if isinstance(source, EvalRecipe):
-        data, base = source.model_dump(exclude_unset=True), source.base_dir
-    elif isinstance(source, dict):
-        data = dict(source)
-        base = data.pop("base_dir", ".")
-    else:
-        path = Path(source)
-        name, base = str(path), str(path.parent)
-        if not path.exists():
-            raise UserError(f"{path}: eval recipe not found")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise UserError(f"{path}: an eval recipe is a YAML mapping")
-    for key, value in parse_overrides(overrides or []):
-        set_path(data, key, value)
-    try:
-        return EvalRecipe.model_validate({**data, "base_dir": base})
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        raise UserError(f"{name}: {loc + ': ' if loc else ''}{msg}") from None
-    except UserError as e:
-        raise UserError(f"{name}: {e}") from None
+    return load_validated(EvalRecipe, source, overrides, kind="eval recipe")
 
 
 def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None = None,

@@ -133,36 +133,41 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def load_recipe(source: str | Path | dict | Recipe, overrides: list[str] | None = None) -> Recipe:
-    """A Recipe from a YAML file, a mapping or a Recipe, with `--set` overrides applied."""
-    if isinstance(source, Recipe) and not overrides:
+def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = None, kind: str = "recipe"):
+    """An instance of `cls` (a recipe schema with a `base_dir` field) from a YAML file, a mapping or an
+    instance, with `--set` overrides applied; every problem is a one-line UserError naming file and key."""
+    if isinstance(source, cls) and not overrides:
         return source
-    name = "recipe"
-    base = "."
-    if isinstance(source, Recipe):
-        data = source.model_dump(exclude_unset=True)
-        base = source.base_dir
+    name, base = kind, "."
+    if isinstance(source, cls):
+        data, base = source.model_dump(exclude_unset=True), source.base_dir
     elif isinstance(source, dict):
         data = dict(source)
+        base = data.pop("base_dir", ".")
     else:
         path = Path(source)
         name, base = str(path), str(path.parent)
         if not path.exists():
-            raise UserError(f"{path}: recipe not found")
+            raise UserError(f"{path}: {kind} not found")
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise UserError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
-            raise UserError(f"{path}: a recipe is a YAML mapping")
+            raise UserError(f"{path}: a {kind} is a YAML mapping")
     for key, value in parse_overrides(overrides or []):
         set_path(data, key, value)
     try:
-        return Recipe.model_validate({**data, "base_dir": base})
+        return cls.model_validate({**data, "base_dir": base})
     except ValidationError as e:
         raise UserError(f"{name}: {_first_error(e)}") from None
     except UserError as e:
         raise UserError(f"{name}: {e}") from None
+
+
+def load_recipe(source: str | Path | dict | Recipe, overrides: list[str] | None = None) -> Recipe:
+    """A Recipe from a YAML file, a mapping or a Recipe, with `--set` overrides applied."""
+    return load_validated(Recipe, source, overrides)
 
 
 __all__ = ["Recipe", "ModelSpec", "GenerationSpec", "PromptSpec", "load_recipe", "POLICIES"]

@@ -13,7 +13,6 @@ triton.testing.do_bench flushes L2 before every timed call, so small configs are
 import argparse
 import datetime
 import json
-import math
 import statistics
 import sys
 import time

@@ -1,7 +1,6 @@
 """The attention backend: one entry point the model layers call, dispatching on the metadata type."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from compiledllm.attention.metadata import DenseAttention, WindowAttention
