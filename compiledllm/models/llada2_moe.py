@@ -27,15 +27,11 @@ def parse_config(c: dict) -> ModelConfig:
 
 class LLaDA2MoE(BlockDiffusionLM):
     def hf_weight_map(self):
-        out = {"model.word_embeddings.weight": self.embed.weight, "model.norm.weight": self.norm.weight}
-        if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+        out = weights.hf_decoder_frame(self, "model.word_embeddings.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}"
             a = layer.attn
-            out |= {f"{p}.input_layernorm.weight": layer.input_norm.weight,
-                    f"{p}.post_attention_layernorm.weight": layer.post_norm.weight,
-                    f"{p}.attention.query_key_value.weight": a.qkv.weight,
+            out |= {f"{p}.attention.query_key_value.weight": a.qkv.weight,
                     f"{p}.attention.dense.weight": a.o.weight}
             if a.q_norm is not None:
                 out[f"{p}.attention.query_layernorm.weight"] = a.q_norm.weight

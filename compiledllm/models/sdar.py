@@ -17,15 +17,11 @@ def parse_config(c: dict) -> ModelConfig:
 
 class SDAR(BlockDiffusionLM):
     def hf_weight_map(self):
-        out = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight}
-        if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+        out = weights.hf_decoder_frame(self, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}"
             a = layer.attn
-            out |= {f"{p}.input_layernorm.weight": layer.input_norm.weight,
-                    f"{p}.post_attention_layernorm.weight": layer.post_norm.weight,
-                    f"{p}.self_attn.o_proj.weight": a.o.weight,
+            out |= {f"{p}.self_attn.o_proj.weight": a.o.weight,
                     f"{p}.self_attn.q_norm.weight": a.q_norm.weight,
                     f"{p}.self_attn.k_norm.weight": a.k_norm.weight}
             out |= weights.fused_qkv(f"{p}.self_attn", a, ("q_proj", "k_proj", "v_proj"))

@@ -34,3 +34,15 @@ def moe(prefix: str, m: MoE) -> dict[str, torch.Tensor]:
     if m.shared is not None:
         out.update(gated_mlp(f"{prefix}.shared_experts", m.shared))
     return out
+
+
+def hf_decoder_frame(model, embed_name: str) -> dict[str, torch.Tensor]:
+    """Embedding, final norm, untied head and each layer's two norms under the usual Hugging Face names
+    (`model.layers.{i}.*`); architecture files add their attention and MLP entries."""
+    out = {embed_name: model.embed.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = layer.input_norm.weight
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_norm.weight
+    return out
