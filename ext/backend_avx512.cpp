@@ -61,17 +61,17 @@ static inline float vhsum(V x) {  // fixed tree: i + i+8, then + i+4, + i+2, + i
   return _mm_cvtss_f32(s1);
 }
 
-static inline V vexp2(V xin) {
+static inline bool vany_gt(V x, float m) { return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(m), _CMP_GT_OQ) != 0; }
+
+static inline V vexp2_rel(V xin, float m) {
   const __m512 x = xin.v;
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-  const __m512 magic = _mm512_set1_ps(12582912.f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(xc, magic), magic);
-  const __m512 f = _mm512_sub_ps(xc, n);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
   __m512 y = _mm512_set1_ps(kExpP[0]);
   for (int i = 1; i < 7; ++i) y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(kExpP[i]));
-  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-  const __m512 r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), e));
-  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ), r)};
+  const __m512 d = _mm512_sub_ps(n, _mm512_set1_ps(m));
+  const __mmask16 ok = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
+  return {_mm512_maskz_scalef_ps(ok, y, d)};  // y * 2^d is normal here, so exact
 }
 
 #include "avx512_score.h"

@@ -61,23 +61,29 @@ static inline float vhsum(V x) {  // the AVX-512 path's tree
   return s2a + s2b;
 }
 
-static inline float exp2_one(float x) {
-  const float xc = std::max(x, -127.f);
-  const float magic = 12582912.f;
-  const float n = (xc + magic) - magic;  // round to nearest even (no -ffast-math here)
-  const float f = xc - n;
+static inline bool vany_gt(V x, float m) {
+  bool any = false;
+  for (int i = 0; i < 16; ++i) any |= x.v[i] > m;
+  return any;
+}
+
+static inline float exp2_rel_one(float x, float m) {
+  const float n = std::nearbyint(x);  // round to nearest even, as VRNDSCALEPS
+  const float d = n - m;
+  if (!(d >= -125.f)) return 0.f;
+  const float f = x - n;
   float y = kExpP[0];
   for (int i = 1; i < 7; ++i) y = y * f + kExpP[i];
   uint32_t bits;
   std::memcpy(&bits, &y, 4);
-  bits += uint32_t(int32_t(n)) << 23;
+  bits += uint32_t(int32_t(d)) << 23;  // y * 2^d, normal here (as VSCALEFPS)
   float r;
   std::memcpy(&r, &bits, 4);
-  return x >= -126.f ? r : 0.f;
+  return r;
 }
-static inline V vexp2(V x) {
+static inline V vexp2_rel(V x, float m) {
   V r;
-  for (int i = 0; i < 16; ++i) r.v[i] = exp2_one(x.v[i]);
+  for (int i = 0; i < 16; ++i) r.v[i] = exp2_rel_one(x.v[i], m);
   return r;
 }
 

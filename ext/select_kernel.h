@@ -1,7 +1,8 @@
 // The select() and gather() algorithms, written once over a 16-lane float vector V and a few
 // tile primitives. Included inside namespace cllm::<isa> by backend_<isa>.cpp, after these:
 //   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vsub, vmul,
-//   vexp2(V) (the shared exp2 recipe below), vtail(V, n, fill), float vhmax(V), vhsum(V),
+//   vexp2_rel(V x, float m) (the shared exp2 recipe below), bool vany_gt(V, float), vtail(V, n, fill),
+//   float vhmax(V), vhsum(V),
 //   score_tile(k, k_ss, n, D, q_rows, qf_rows, R, c, s[R][16], tmp, pk, pv)   s = c * (q . k), 16 keys
 //     (q_rows bf16 [R][D]; qf_rows float32, per 32-dim chunk 16 even then 16 odd elements),
 //     issuing the prefetches pk, pv (rows of later tiles) along the way,
@@ -10,16 +11,21 @@
 //   gather_prefetch(row, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence().
 // Every step whose result feeds idx or lse uses the same operations in the same order in both
 // paths (no contraction: built with -ffp-contract=off), so both paths select the same positions.
-// exp2 recipe (Cephes exp2f, ~2e-7 relative): x >= -126 ? 2^n * (1 + f*P(f)) : 0, with
-// n = round(max(x, -127)) via the 1.5*2^23 trick and f = x - n in [-0.5, 0.5].
+// exp2 recipe (Cephes exp2f, ~2e-7 relative): 2^(x - m) for an integer m is (1 + f*P(f)) * 2^(n - m)
+// with n = round(x) (to even) and f = x - n in [-0.5, 0.5], or 0 when n - m < -125. The polynomial
+// depends on x only and the scaling is exact, so equal scores give equal probabilities under any
+// integer reference m: that is what lets the importance reuse the softmax's probabilities.
 
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float exp2s(float x) {
-  alignas(64) float t[16];
-  vstore(t, vexp2(vset(x)));
-  return t[0];
+// 2^d for an integer-valued d <= 0, exact; 0 below -125 (and for -inf).
+inline float pow2i(float d) {
+  if (!(d >= -125.f)) return 0.f;
+  const uint32_t u = uint32_t(int32_t(d) + 127) << 23;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
 }
 
 // Grow-only scratch shared by calls (a lock serialises calls): no page faults after warm-up.
@@ -70,8 +76,9 @@ inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, uint16_
   }
 }
 
-// Phase A: stream one unit's keys (and values) once; keep raw scores (log2 units) for the
-// ranking and the online-softmax state m, l, o of every query row.
+// Phase A: stream one unit's keys (and values) once; keep the online-softmax state m, l, o of every
+// query row, with m an integer reference >= the running max (rescales are exact powers of two). For
+// the ranking keep the probabilities 2^(score - m) [R][C] and each tile's m [R][C / kTile].
 inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* srow, float* st, ThreadBuf& t) {
   const Item& it = p.items[u.item];
   const int64_t R = p.R, D = a.D, C = it.C;
@@ -104,21 +111,25 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
                     a.prefetch_l2};
     score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.q.as<uint16_t>(), t.qf.as<float>(), int(R), c, s, t.tmp.p, pk,
                pv);
+    const int64_t j = s0 - u.start;
     for (int64_t r = 0; r < R; ++r) {
       V x = vload(s + r * kTile);
       if (n < kTile) x = vtail(x, n, kNegInf);
-      if (srow) vstore(srow + r * C + (s0 - u.start), x);
       V lr = vload(lv + r * kTile);
-      const float tm = vhmax(x);
-      if (tm > m[r]) {  // rescale only when the running max grows (rare after the first tiles)
-        const float alpha = exp2s(m[r] - tm);
-        m[r] = tm;
+      if (vany_gt(x, m[r])) {  // rescale only when the running max passes m (rare after the first tiles)
+        const float mn = std::ceil(vhmax(x));
+        const float alpha = pow2i(m[r] - mn);
+        m[r] = mn;
         lr = vmul(lr, vset(alpha));
         if (o)
           for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
       }
-      const V e = vexp2(vsub(x, vset(m[r])));
+      const V e = vexp2_rel(x, m[r]);
       vstore(lv + r * kTile, vadd(lr, e));
+      if (srow) {
+        vstore(srow + r * C + j, e);
+        srow[R * C + r * (C / kTile) + j / kTile] = m[r];
+      }
       if (o) vstore(pr + r * kTile, e);
     }
     if (o) pv_tile(vb + s0 * a.v_ss, a.v_ss, n, int(D), pr, int(R), o, t.tmp.as<float>());
@@ -138,7 +149,7 @@ inline void merge_row(const SelectArgs& a, const Plan& p, int64_t item, int64_t 
   float L = 0.f;
   for (int64_t u = 0; u < it.n_units; ++u) {
     const float* st = states + (it.first_unit + u - unit0) * st_stride;
-    w[u] = exp2s(st[r] - M);
+    w[u] = pow2i(st[r] - M);
     L = L + st[R + r] * w[u];
   }
   const float inv = it.len > 0 ? 1.f / L : 0.f;
@@ -157,20 +168,23 @@ inline void merge_row(const SelectArgs& a, const Plan& p, int64_t item, int64_t 
   }
 }
 
-// Phase C: importance[s] = sum_r 2^(score - M_r) / L_r, written over score row 0, and its histogram.
+// Phase C: importance[s] = sum_r p[r][s] * (2^(m_tile - M_r) / L_r), written over row 0 of srow,
+// and its histogram. The factor is exact (a power of two times 1/L), so exact ties stay exact.
 inline void importance_unit(const Plan& p, const Unit& u, float* srow, const float* ml, uint16_t* hist) {
   const Item& it = p.items[u.item];
-  const int64_t R = p.R, C = it.C, n = u.end - u.start;
+  const int64_t R = p.R, C = it.C, T = C / kTile, n = u.end - u.start, nt = (n + kTile - 1) / kTile;
   const float* M = ml + u.item * 2 * R;
   const float* inv = M + R;
+  const float* refs = srow + R * C;
+  float w[kMaxChunk / kTile];
   // Row by row (sequential reads; the running sum, row 0, stays in L1), rows added in order.
-  for (int64_t j = 0; j < n; j += kTile)
-    vstore(srow + j, vmul(vexp2(vsub(vload(srow + j), vset(M[0]))), vset(inv[0])));
-  for (int64_t r = 1; r < R; ++r) {
-    const float* s = srow + r * C;
-    const V m = vset(M[r]), w = vset(inv[r]);
-    for (int64_t j = 0; j < n; j += kTile)
-      vstore(srow + j, vadd(vload(srow + j), vmul(vexp2(vsub(vload(s + j), m)), w)));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < nt; ++t) w[t] = pow2i(refs[r * T + t] - M[r]) * inv[r];
+    const float* e = srow + r * C;
+    for (int64_t t = 0; t < nt; ++t) {
+      const V x = vmul(vload(e + t * kTile), vset(w[t]));
+      vstore(srow + t * kTile, r ? vadd(vload(srow + t * kTile), x) : x);
+    }
   }
   unit_histogram(srow, n, hist);
 }

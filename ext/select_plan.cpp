@@ -10,7 +10,7 @@ namespace {
 
 // Unit length: its score rows stay in L2 (<= 1 MiB) and a long prefix splits into ~16 units.
 int64_t chunk_for(int64_t R, int64_t len) {
-  int64_t cmax = 4096;
+  int64_t cmax = kMaxChunk;
   while (cmax > 256 && cmax * R * 4 > (int64_t(1) << 20)) cmax /= 2;
   int64_t c = 256;
   while (c < cmax && c * 16 < len) c *= 2;
@@ -54,14 +54,15 @@ Plan make_plan(const SelectArgs& a) {
   Wave w{0, 0, 0, 0, 0};
   for (int64_t i = 0; i < int64_t(p.items.size()); ++i) {
     Item& it = p.items[i];
-    int64_t need = p.want_topk ? it.n_units * p.R * it.C : 0;
+    const int64_t unit_floats = p.R * (it.C + it.C / kTile);
+    int64_t need = p.want_topk ? it.n_units * unit_floats : 0;
     if (w.item1 > w.item0 && w.score_floats + need > a.score_budget) {
       p.waves.push_back(w);
       w = Wave{i, i, it.first_unit, it.first_unit, 0};
     }
     for (int64_t u = it.first_unit; u < it.first_unit + it.n_units; ++u) {
       p.units[u].slot = w.score_floats;
-      if (p.want_topk) w.score_floats += p.R * it.C;
+      if (p.want_topk) w.score_floats += unit_floats;
     }
     w.item1 = i + 1;
     w.unit1 = it.first_unit + it.n_units;

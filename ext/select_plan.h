@@ -9,6 +9,7 @@
 namespace cllm {
 
 constexpr int kTile = 16;             // keys per SIMD tile
+constexpr int kMaxChunk = 4096;       // positions per unit, at most
 constexpr int kScoreRowBlock = 32;    // query rows per pass over a key tile (partial sums stay in L1)
 constexpr int kTransposeMinRows = 16; // from this many query rows, transpose key tiles (see backends)
 constexpr int kBucketShift = 20;      // histogram of importance bits: 8 exponent + 3 mantissa bits
@@ -22,7 +23,7 @@ constexpr float kExpP[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.6184
 struct Unit {
   int32_t item;
   int64_t start, end;  // positions [start, end)
-  int64_t slot;        // offset (floats) of its score rows [R][C] in the wave's score arena
+  int64_t slot;        // offset (floats) of its probabilities [R][C] and tile references [R][C / kTile]
   // top-k bookkeeping
   int64_t above = 0, bnd_count = 0, bnd_off = 0, out_off = 0;
 };
