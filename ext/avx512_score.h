@@ -207,7 +207,8 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const ui
     for (; r0 + 4 <= R; r0 += 4) score_rows_t<4, P>(kt, qp + r0 * P, c, s + r0 * kTile);
     for (; r0 < R; ++r0) score_rows_t<1, P>(kt, qp + r0 * P, c, s + r0 * kTile);
   } else {
-    for (; r0 + 6 <= R; r0 += 6) score_rows_tf<6, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
+    for (; r0 + 8 <= R; r0 += 8) score_rows_tf<8, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
+    for (; r0 + 4 <= R; r0 += 4) score_rows_tf<4, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
     for (; r0 < R; ++r0) score_rows_tf<1, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
   }
 }

@@ -35,7 +35,7 @@ struct SelectArgs {
   int threads = 0;   // 0: OpenMP default
   int prefetch = 0;  // software prefetch distance in 16-key tiles (0: hardware prefetch only)
   bool prefetch_l2 = false;  // prefetch into L2 (prefetcht1) rather than L1
-  int64_t score_budget = int64_t(64) << 20;  // floats of score rows held at once (tests make it small)
+  int64_t score_budget = 0;  // floats of score rows held at once (0: kWaveFloatsPerThread per thread)
 };
 
 // dst bf16 [2][B][KVH][topk][D] (K then V), one contiguous block for one host-to-device copy.

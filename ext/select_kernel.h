@@ -195,14 +195,14 @@ inline void unit_boundary(const Plan& p, Unit& u, const float* imp) {
 }
 
 inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Arena& hists_a) {
-  Plan p = make_plan(a);
+  const int T = a.threads > 0 ? a.threads : omp_get_max_threads();
+  Plan p = make_plan(a, T);
   const int64_t R = p.R;
   const int64_t st_stride = (R * (2 + (p.want_out ? a.D : 0)) + 15) & ~int64_t(15);  // own cache lines
   float* scores = scores_a.get<float>(p.max_score_floats);
   float* states = states_a.get<float>(p.max_wave_units * st_stride);
   uint16_t* hists = hists_a.get<uint16_t>(p.want_topk ? p.max_wave_units * kBuckets : 1);
   std::vector<float> ml(p.items.size() * 2 * R);
-  const int T = a.threads > 0 ? a.threads : omp_get_max_threads();
 #pragma omp parallel num_threads(T)
   {
     ThreadBuf t(R, a.D);

@@ -29,7 +29,7 @@ inline uint32_t bits_of(float f) {
 
 }  // namespace
 
-Plan make_plan(const SelectArgs& a) {
+Plan make_plan(const SelectArgs& a, int threads) {
   Plan p;
   p.R = a.G * a.n_q;
   p.P = a.D / 2;
@@ -50,13 +50,14 @@ Plan make_plan(const SelectArgs& a) {
       p.items.push_back(std::move(it));
     }
   }
-  // Waves bound the score scratch; items are never split across waves.
+  // Waves bound the score scratch; items are never split across waves. Waves do not change results.
+  const int64_t budget = a.score_budget > 0 ? a.score_budget : threads * kWaveFloatsPerThread;
   Wave w{0, 0, 0, 0, 0};
   for (int64_t i = 0; i < int64_t(p.items.size()); ++i) {
     Item& it = p.items[i];
     const int64_t unit_floats = p.R * (it.C + it.C / kTile);
     int64_t need = p.want_topk ? it.n_units * unit_floats : 0;
-    if (w.item1 > w.item0 && w.score_floats + need > a.score_budget) {
+    if (w.item1 > w.item0 && w.score_floats + need > budget) {
       p.waves.push_back(w);
       w = Wave{i, i, it.first_unit, it.first_unit, 0};
     }

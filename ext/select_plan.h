@@ -10,6 +10,9 @@ namespace cllm {
 
 constexpr int kTile = 16;             // keys per SIMD tile
 constexpr int kMaxChunk = 4096;       // positions per unit, at most
+// Default score wave: about one L2 (2 MiB) per thread, so the importance pass re-reads probabilities
+// from L2/L3 rather than DRAM (one item, R x length floats, is the least a wave holds).
+constexpr int64_t kWaveFloatsPerThread = int64_t(1) << 19;
 constexpr int kScoreRowBlock = 32;    // query rows per pass over a key tile (partial sums stay in L1)
 constexpr int kTransposeMinRows = 16; // from this many query rows, transpose key tiles (see backends)
 constexpr int kBucketShift = 20;      // histogram of importance bits: 8 exponent + 3 mantissa bits
@@ -62,7 +65,7 @@ struct Plan {
   int64_t max_score_floats = 0, max_wave_units = 0;
 };
 
-Plan make_plan(const SelectArgs& a);
+Plan make_plan(const SelectArgs& a, int threads);
 
 // Top-k steps on a unit's importance row imp[0 .. end-start).
 void unit_histogram(const float* imp, int64_t n, uint16_t* hist);

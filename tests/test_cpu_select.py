@@ -198,3 +198,16 @@ def test_bad_arguments():
     _bad(ValueError, "topk_idx must be a CPU tensor", cs.gather, k, v, idx[:, :1])
     _bad(ValueError, "topk_idx holds position 64", cs.gather, k, v, idx + 64)
     _bad(ValueError, "out must be a contiguous", cs.gather, k, v, idx, out=torch.empty(3))
+
+
+def test_many_rows_default_waves_agree_bitwise():
+    """128 rows per kv head: the default score wave (about L2 per thread) holds one item at 1 thread
+    and two at 3; waves, thread counts and paths must not change any bit of idx or lse."""
+    q, k, v = _data(1, 3, 5000, 128, 4, 32, seed=11)
+    lengths = [5000]
+    base = cs.select(q, k, v, lengths, 250, threads=1, portable=True)
+    _check(base, select_ref(q, k, v, lengths, 250), q, k, lengths, 250)
+    for kw in ({"threads": 1}, {"threads": 2}, {"threads": 3}, {"threads": 3, "_score_budget": 1}):
+        other = cs.select(q, k, v, lengths, 250, **kw)
+        assert torch.equal(other.topk_idx, base.topk_idx), kw
+        assert torch.equal(other.lse, base.lse), kw
