@@ -47,7 +47,6 @@ static inline V vset(float x) { return {_mm512_set1_ps(x)}; }
 static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 static inline void vstore(float* p, V x) { _mm512_storeu_ps(p, x.v); }
 static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
-static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
 static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 static inline V vtail(V x, int n, float fill) {
   return {_mm512_mask_blend_ps(__mmask16((1u << n) - 1), _mm512_set1_ps(fill), x.v)};

@@ -41,7 +41,6 @@ static inline void vstore(float* p, V x) { std::memcpy(p, x.v, sizeof(x.v)); }
     return r;                              \
   }
 CLLM_LANEWISE(vadd, a.v[i] + b.v[i])
-CLLM_LANEWISE(vsub, a.v[i] - b.v[i])
 CLLM_LANEWISE(vmul, a.v[i] * b.v[i])
 #undef CLLM_LANEWISE
 static inline V vtail(V x, int n, float fill) {

@@ -1,6 +1,6 @@
 // The select() and gather() algorithms, written once over a 16-lane float vector V and a few
 // tile primitives. Included inside namespace cllm::<isa> by backend_<isa>.cpp, after these:
-//   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vsub, vmul,
+//   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vmul,
 //   vexp2_rel(V x, float m) (the shared exp2 recipe below), bool vany_gt(V, float), vtail(V, n, fill),
 //   float vhmax(V), vhsum(V),
 //   score_tile(k, k_ss, n, D, q_rows, qf_rows, R, c, s[R][16], tmp, pk, pv)   s = c * (q . k), 16 keys
