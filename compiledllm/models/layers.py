@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiledllm.attention.backend import attend
+from compiledllm.models import moe_triton
 from compiledllm.models.config import ModelConfig, MoEConfig
 from compiledllm.profiling import phase
 
@@ -97,11 +98,17 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * F_, dim))
         self.w_down = nn.Parameter(torch.zeros(E, dim, F_))
         self.shared = GatedMLP(dim, F_ * cfg.num_shared) if cfg.num_shared else None
+        # "auto": the Triton kernels where they apply (CUDA, bf16/fp16), else grouped GEMM. Benchmarks flip it.
+        self.backend = "auto"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32."""
         c = self.cfg
-        scores = torch.sigmoid(x.float() @ self.gate.float().t())
+        logits = x.float() @ self.gate.float().t()
+        if self.backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
+            return torch.ops.compiledllm.moe_route(logits, self.expert_bias, c.n_group, c.topk_group, c.top_k,
+                                                   c.norm_topk_prob, c.routed_scaling)
+        scores = torch.sigmoid(logits)
         biased = scores + self.expert_bias
         if c.n_group > 1:
             grouped = biased.view(-1, c.n_group, c.num_experts // c.n_group)
@@ -129,10 +136,15 @@ class MoE(nn.Module):
         T, k = ids.shape
         E = self.cfg.num_experts
         flat = ids.flatten()
-        order = flat.argsort(stable=True)
+        # a narrow key dtype: the radix sort then makes 2 passes instead of 8
+        order = (flat.to(torch.int16) if E < 2**15 else flat).argsort(stable=True)
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
+        if self.backend == "triton" or (self.backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)):
+            y = torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, order.int(), F.pad(offs, (1, 0)),
+                                                 w.flatten().float(), k)
+            return y.sum(0)
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.w_gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs)

@@ -1,0 +1,100 @@
+"""Triton kernels of the routed experts (see moe_triton.py for the contract); imported only where Triton is."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_tile(tile_end_ptr, offs_ptr, E: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr):
+    """(expert, first row, end row) of this program's row tile; expert == E for a spare program."""
+    j = tl.program_id(0)
+    ends = tl.load(tile_end_ptr + tl.arange(0, E_P2), mask=tl.arange(0, E_P2) < E, other=2**30)
+    e = tl.sum((ends <= j).to(tl.int32))  # tile_end is the inclusive cumsum of tiles per expert
+    first_tile = tl.max(tl.where(ends <= j, ends, 0))
+    e_safe = tl.minimum(e, E - 1)
+    m0 = tl.load(offs_ptr + e_safe) + (j - first_tile) * BM
+    return e, m0, tl.load(offs_ptr + e_safe + 1)
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: tl.constexpr,
+                   E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, m0, end = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    if e >= E:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rows = m0 + tl.arange(0, BM)
+    live = rows < end
+    tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
+    xa = x_ptr + tok.to(tl.int64)[:, None] * D + rk[None, :]
+    wg = w_ptr + e.to(tl.int64) * (2 * F * D) + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg[e]^T
+    wu = wg + F * D
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        a = tl.load(xa + k0, mask=live[:, None], other=0.0)
+        acc_g = tl.dot(a, tl.load(wg + k0), acc_g)
+        acc_u = tl.dot(a, tl.load(wu + k0), acc_u)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * F + n[None, :], h.to(act_ptr.dtype.element_ty),
+             mask=live[:, None])
+
+
+@triton.jit
+def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, T, E: tl.constexpr,
+                E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
+    e, m0, end = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    if e >= E:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rows = m0 + tl.arange(0, BM)
+    live = rows < end
+    pair = tl.load(order_ptr + rows, mask=live, other=0)
+    aa = act_ptr + rows.to(tl.int64)[:, None] * F + rk[None, :]
+    wd = w_ptr + e.to(tl.int64) * (D * F) + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd[e]^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, F, BK):
+        a = tl.load(aa + k0, mask=live[:, None], other=0.0)
+        acc = tl.dot(a, tl.load(wd + k0), acc)
+    acc = acc * tl.load(rw_ptr + pair, mask=live, other=0.0)[:, None]
+    out = (pair % TOPK).to(tl.int64) * T + pair // TOPK  # y is [rank, token, D]: the caller sums over rank
+    tl.store(y_ptr + out[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr, GROUPS: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+    """One token: sigmoid scores, + bias for selection, keep the TOPK_GROUP groups with the largest top-2
+    sums, then the TOPK best experts in descending order (ties -> lower id); weights from unbiased scores."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E)
+    score = tl.sigmoid(tl.load(logits_ptr + t * E + e))
+    biased = score + tl.load(bias_ptr + e)
+    if GROUPS > 1:
+        grid = tl.reshape(biased, (GROUPS, E // GROUPS))
+        col = tl.reshape(e, (GROUPS, E // GROUPS)) % (E // GROUPS)
+        first = tl.argmax(grid, axis=1)
+        top1 = tl.max(grid, axis=1)
+        top2 = tl.max(tl.where(col == first[:, None], float("-inf"), grid), axis=1)
+        gscore = top1 + top2
+        g = tl.arange(0, GROUPS)
+        keep = tl.zeros((GROUPS,), dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(tl.where(keep, float("-inf"), gscore), axis=0)
+            keep = keep | (g == best)
+        kept = tl.reshape(tl.broadcast_to(keep[:, None], (GROUPS, E // GROUPS)), (E,))
+        biased = tl.where(kept, biased, 0.0)  # dropped groups score 0.0, as the torch path
+    total = 0.0
+    taken = tl.zeros((E,), dtype=tl.int1)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(tl.where(taken, float("-inf"), biased), axis=0)
+        taken = taken | (e == best)
+        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
+        total += tl.sum(tl.where(e == best, score, 0.0))
+    wsum = total + 1e-20 if NORM else 1.0
+    for j in tl.static_range(TOPK):
+        best = tl.load(ids_ptr + t * TOPK + j)
+        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(e == best, score, 0.0)) / wsum * scaling)

@@ -1,0 +1,101 @@
+"""The Triton kernels (MoE routing, routed experts, confidence) against their torch forms (GPU only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiledllm.models import moe_triton
+from compiledllm.models.config import MoEConfig
+from compiledllm.models.layers import MoE
+from compiledllm.policies import base
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and moe_triton.available()),
+                                                  reason="needs a CUDA device with Triton (run on the GPU machine)")]
+
+# (tokens, experts, top_k, dim, expert_dim): LLaDA2.0-mini's expert shape at batch 1 and 32, and a small odd one
+SHAPES = [(32, 256, 8, 2048, 512), (1024, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (300, 16, 4, 128, 64)]
+
+
+def moe_layer(E, k, D, F, seed=0) -> MoE:
+    cfg = MoEConfig(num_experts=E, expert_dim=F, top_k=k, num_shared=0, n_group=1, topk_group=1,
+                    routed_scaling=1.0, norm_topk_prob=True, first_dense_layers=0)
+    moe = MoE(D, cfg).cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for p in (moe.gate, moe.w_gate_up, moe.w_down):
+            p.copy_(torch.randn(p.shape, generator=g, device="cuda") * D ** -0.5)
+    return moe.to(torch.bfloat16)
+
+
+def reference(moe: MoE, x, ids, w) -> torch.Tensor:
+    """float64 per (token, rank), from the same bf16 weights; the activation rounded to bf16 as the kernel stores it."""
+    wgu, wd = moe.w_gate_up.double(), moe.w_down.double()
+    xg = x.double()[:, None, :]  # [T, 1, D]
+    gu = torch.einsum("tkd,tkfd->tkf", xg.expand(-1, ids.shape[1], -1), wgu[ids])
+    gate, up = gu.chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).double()
+    y = torch.einsum("tkf,tkdf->tkd", act, wd[ids])
+    return (y * w[..., None].double()).sum(1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_matches_reference_and_grouped_mm(shape):
+    T, E, k, D, F = shape
+    moe = moe_layer(E, k, D, F)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids, w = moe.route(x)
+    ref = reference(moe, x, ids, w)
+    scale = ref.abs().max().item()
+    with torch.no_grad():
+        moe.backend = "triton"
+        tri = moe._routed(x, ids, w).double()
+        assert torch.equal(moe._routed(x, ids, w), tri.to(torch.bfloat16))  # deterministic
+        moe.backend = "grouped_mm"
+        gmm = moe._routed(x, ids, w).double()
+    assert (tri - ref).abs().max().item() <= 0.02 * scale
+    assert (gmm - ref).abs().max().item() <= 0.02 * scale
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """A token's routed output is the same alone and among many (the row tile changes with the batch)."""
+    moe = moe_layer(256, 8, 2048, 512)
+    x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
+    moe.backend = "triton"
+    with torch.no_grad():
+        ids, w = moe.route(x)
+        full = moe._routed(x, ids, w)
+        for n in (1, 32, 256):
+            assert torch.equal(moe._routed(x[:n], ids[:n], w[:n]), full[:n]), n
+
+
+@pytest.mark.parametrize("experts,groups,topk_group,top_k", [(256, 8, 4, 8), (8, 2, 1, 2), (64, 1, 1, 6)])
+def test_fused_routing_equals_torch_routing(experts, groups, topk_group, top_k):
+    cfg = MoEConfig(num_experts=experts, expert_dim=16, top_k=top_k, num_shared=0, n_group=groups,
+                    topk_group=topk_group, routed_scaling=2.5, norm_topk_prob=True)
+    moe = MoE(64, cfg).cuda()
+    with torch.no_grad():
+        moe.gate.normal_()
+        moe.expert_bias.normal_(std=0.1)
+        x = torch.randn(500, 64, device="cuda")
+        moe.backend = "grouped_mm"  # the torch routing
+        ids, w = moe.route(x)
+        moe.backend = "auto"
+        fused_ids, fused_w = moe.route(x)
+    assert torch.equal(fused_ids, ids)
+    torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab,mask_id", [(157184, 156895), (1000, 0), (5000, 4999)])
+def test_fused_confidence_equals_softmax_form(vocab, mask_id):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4, 32, vocab, device="cuda", generator=g) * 4
+    logits[0, 0, mask_id] = 1e4  # MASK is the largest logit: excluded from the argmax, counted in the sum
+    logits[1, 2, 3] = logits[1, 2, vocab - 5] = 1e3  # a tie across chunks goes to the lower id
+    v, p = torch.ops.compiledllm.confidence(logits, mask_id)
+    probs = torch.softmax(logits, dim=-1)
+    probs[..., mask_id] = -1.0
+    ref_p, ref_v = probs.max(dim=-1)
+    assert torch.equal(v, ref_v)
+    assert v[1, 2].item() == 3
+    torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-7)
+    assert base._fused_confidence() is not None  # the policies use it on CUDA

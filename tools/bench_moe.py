@@ -1,0 +1,114 @@
+"""Routed experts alone on the GPU: the Triton kernels (default tiles and a sweep) against the grouped-GEMM
+path, as a share of the HBM bandwidth measured in the same run.
+
+LLaDA2.0-mini's expert shape (256 experts, top 8, dim 2048, expert width 512), random bf16 weights and a
+random router; tokens = batch x 32 (one block per row). Two routings: `uniform` (every token its own random
+vector) and `blocks` (a row's 32 tokens share one vector plus 10 % noise, as a block of MASK tokens routes
+alike: fewer experts, many pairs each). Bytes = the weights of the experts the routing
+really touched (counted) + activations in and out; every time is a replayed CUDA graph (median).
+
+    python tools/bench_moe.py --out docs/results/bench_moe_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from bench_decode import ceilings, graph_ms
+from compiledllm.models import moe_triton
+from compiledllm.models.config import MoEConfig
+from compiledllm.models.layers import MoE
+
+E, K, D, F = 256, 8, 2048, 512
+
+
+def build() -> MoE:
+    cfg = MoEConfig(num_experts=E, expert_dim=F, top_k=K, num_shared=0, n_group=8, topk_group=4,
+                    routed_scaling=2.5, norm_topk_prob=True)
+    moe = MoE(D, cfg).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in (moe.gate, moe.w_gate_up, moe.w_down):
+            p.normal_(std=D ** -0.5)
+    return moe
+
+
+def sweep_tiles() -> list[tuple[moe_triton.MoETile, moe_triton.MoETile]]:
+    """The same tile for both kernels: rows 16/32/64/128, N 64/128, K 64/128, 3 or 4 stages, 4 warps."""
+    grid = itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4))
+    return [(t, t) for t in (moe_triton.MoETile(bm, bn, bk, 4, st) for bm, bn, bk, st in grid)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--sweep", default="8,32", help="batches at which to sweep tiles, uniform routing ('' for none)")
+    ap.add_argument("--out", default="docs/results/bench_moe.json")
+    args = ap.parse_args()
+    ceil = ceilings()
+    hbm = ceil["hbm_bytes_per_s"]
+    moe = build()
+    records = []
+    for batch, routing in itertools.product(map(int, args.batches.split(",")), ("uniform", "blocks")):
+        T = batch * 32
+        if routing == "uniform":
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        else:
+            x = (torch.randn(batch, 1, D, device="cuda") + 0.1 * torch.randn(batch, 32, D, device="cuda"))
+            x = x.reshape(T, D).to(torch.bfloat16)
+        with torch.no_grad():
+            ids, w = moe.route(x)
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * 3 * D * F * 2 + T * D * 2 * (1 + K)  # touched experts + x in + y out (T, k, D)
+        rec = {"batch": batch, "routing": routing, "tokens": T, "touched_experts": touched, "bytes": nbytes,
+               "floor_ms": nbytes / hbm * 1e3,
+               "max_pairs_per_expert": int(torch.bincount(ids.flatten(), minlength=E).max())}
+
+        def routed(backend):
+            moe.backend = backend
+            return lambda: moe._routed(x, ids, w)
+
+        with torch.no_grad():
+            rec["grouped_mm_ms"] = graph_ms(routed("grouped_mm"))
+            rec["triton_ms"] = graph_ms(routed("triton"))
+            moe.backend = "auto"
+            flat = ids.flatten()
+            order = flat.argsort(stable=True).int()
+            counts = torch.zeros(E, dtype=torch.int32, device="cuda").scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+            wf = w.flatten().float()
+            if str(batch) in args.sweep.split(",") and routing == "uniform":
+                best = None
+                for tiles in sweep_tiles():
+                    try:
+                        ms = graph_ms(lambda: moe_triton.launch(x, moe.w_gate_up, moe.w_down, order, offs, wf, K, tiles))
+                    except Exception as e:  # e.g. out of shared memory for a large tile
+                        print(f"  tile {tiles[0]}: {type(e).__name__}", flush=True)
+                        continue
+                    if best is None or ms < best[0]:
+                        best = (ms, tiles[0])
+                rec["sweep_best_ms"] = best[0]
+                rec["sweep_best_tile"] = best[1].__dict__
+        for key in ("grouped_mm", "triton", "sweep_best"):
+            if f"{key}_ms" in rec:
+                rec[f"{key}_hbm_share"] = rec["floor_ms"] / rec[f"{key}_ms"]
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,
+           "shape": {"experts": E, "top_k": K, "dim": D, "expert_dim": F}, "records": records,
+           "date": time.strftime("%Y-%m-%d")}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"\n{'B':>4} {'routing':>8} {'tokens':>6} {'experts':>7} {'floor ms':>8} {'grouped ms':>10} {'triton ms':>9} "
+          f"{'best ms':>8} {'triton/HBM':>10}")
+    for r in records:
+        print(f"{r['batch']:>4} {r['routing']:>8} {r['tokens']:>6} {r['touched_experts']:>7} {r['floor_ms']:8.3f} {r['grouped_mm_ms']:10.3f} "
+              f"{r['triton_ms']:9.3f} {r.get('sweep_best_ms', float('nan')):8.3f} {r['triton_hbm_share']:10.0%}")
+
+
+if __name__ == "__main__":
+    main()
