@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from compiledllm.attention.metadata import WindowAttention
+from compiledllm.attention.packed import packed_attention
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import block_logits, decode_step
 from compiledllm.engine.stepper import Stepper
@@ -44,6 +46,22 @@ def time_ms(fn, reps: int, warmup: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn, reps: int = 20) -> float:
+    """Median replay time of fn captured as one CUDA graph (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay, reps)
+    del graph
+    return ms
+
+
 def ceilings() -> dict:
     src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
     dst = torch.empty_like(src)
@@ -56,8 +74,9 @@ def ceilings() -> dict:
     return {"hbm_bytes_per_s": hbm, "bf16_flops_per_s": 2 * n**3 / (ms / 1e3)}
 
 
-def step_costs(cfg, batch: int, context: int) -> dict:
-    """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape."""
+def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None) -> dict:
+    """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape. `touched`:
+    the distinct routed experts each MoE layer really used; without it, the expectation under uniform routing."""
     tokens = batch * BLOCK
     d, L, H, KVH, hd, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
     attn = d * (H + 2 * KVH) * hd + H * hd * d
@@ -65,9 +84,10 @@ def step_costs(cfg, batch: int, context: int) -> dict:
     if cfg.moe is not None:
         m = cfg.moe
         expert, shared, router = 3 * d * m.expert_dim, 3 * d * m.expert_dim * m.num_shared, d * m.num_experts
-        touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)  # expected distinct experts
         moe_layers = L - m.first_dense_layers
-        read = L * attn + m.first_dense_layers * dense + moe_layers * (router + shared + touched * expert)
+        if touched is None:
+            touched = [m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)] * moe_layers
+        read = L * attn + m.first_dense_layers * dense + moe_layers * (router + shared) + sum(touched) * expert
         active = L * attn + m.first_dense_layers * dense + moe_layers * (router + shared + m.top_k * expert)
     else:
         read = active = L * (attn + dense)
@@ -75,6 +95,13 @@ def step_costs(cfg, batch: int, context: int) -> dict:
     kv_bytes = batch * L * 2 * KVH * hd * 2 * (context + BLOCK)
     flops = 2 * tokens * (active + V * d) + 4 * batch * BLOCK * (context + BLOCK) * H * hd * L
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops}
+
+
+def roofline_ms(costs: dict, ceil: dict) -> tuple[float, str]:
+    """max(bytes / HBM bandwidth, FLOPs / matmul rate) and which one bounds."""
+    mem = (costs["weight_bytes"] + costs["kv_bytes"]) / ceil["hbm_bytes_per_s"] * 1e3
+    comp = costs["flops"] / ceil["bf16_flops_per_s"] * 1e3
+    return max(mem, comp), "memory" if mem >= comp else "compute"
 
 
 def synthetic_state(model, policy, batch: int, context: int) -> tuple[SlotState, KVCache]:
@@ -100,7 +127,82 @@ def max_batch(model, context: int) -> int:
     return max(1, int(0.80 * free // per_row))
 
 
-def bench_point(model, policy, batch, context, ceil, modes) -> dict:
+def moe_layers(model) -> list:
+    return [layer.mlp for layer in model.layers if hasattr(layer.mlp, "backend")]
+
+
+def touched_experts(model, st, idx, kv) -> list[int]:
+    """The distinct routed experts each MoE layer's routing really chose for this step (one eager forward)."""
+    found = []
+
+    def count(moe, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        found.append(int(torch.unique(moe.route(x)[0]).numel()))
+
+    hooks = [m.register_forward_hook(count) for m in moe_layers(model)]
+    try:
+        block_logits(model, st, idx, st.seq.gather(1, idx), kv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def step_split(model, policy, st, kv, idx) -> dict:
+    """Where a step's time goes: each piece captured alone as a CUDA graph on the step's real inputs
+    (layer 1 stands for every later layer). `sum_ms` adds the pieces up as the step runs them."""
+    cfg = model.config
+    window = st.seq.gather(1, idx)
+    h = model.embed(window)
+    cos, sin = model.rotary.cos_sin(idx)
+    meta = WindowAttention(st.block_start, BLOCK)
+    first, layer = model.layers[0], model.layers[min(1, cfg.num_layers - 1)]
+    att = layer.attn
+    B, L, _ = h.shape
+    q, k, v = att.qkv(h).view(B, L, att.h + 2 * att.kvh, att.hd).split([att.h, att.kvh, att.kvh], dim=2)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    lkv = kv.layer(1)
+    x = layer.post_norm(h).reshape(B * L, -1)
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    logits = block_logits(model, st, idx, window, kv)
+    gen = idx >= st.prompt_len[:, None]
+    parts = {
+        "embed": lambda: model.embed(window),
+        "attn_sublayer": lambda: att(layer.input_norm(h), model.rotary, cos, sin, idx, meta, lkv),
+        "attn_kernel": lambda: packed_attention(q, lkv.k, lkv.v, meta.prefix_len, k, v, BLOCK),
+        "first_mlp_sublayer": lambda: first.mlp(first.post_norm(h)),
+        "mlp_sublayer": lambda: layer.mlp(layer.post_norm(h)),
+        "head": lambda: (model.norm(h) @ head.t()).float(),
+        "policy_update": lambda: policy.update(window, logits, gen, st.policy),
+    }
+    if hasattr(layer.mlp, "backend"):
+        moe = layer.mlp
+        ids, w = moe.route(x)
+        parts["moe_route"] = lambda: moe.route(x)
+        if moe.shared is not None:
+            parts["moe_shared"] = lambda: moe.shared(x)
+        for backend in ("triton", "grouped_mm"):
+            def routed(backend=backend):
+                moe.backend = backend
+                try:
+                    return moe._routed(x, ids, w)
+                finally:
+                    moe.backend = "auto"
+            parts[f"moe_routed_{backend}"] = routed
+    out = {}
+    for name, fn in parts.items():
+        try:
+            out[name] = graph_ms(fn)
+        except Exception as e:  # a piece that cannot run (e.g. no Triton) is reported, not fatal
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    num = [out.get(n) for n in ("embed", "attn_sublayer", "first_mlp_sublayer", "mlp_sublayer", "head", "policy_update")]
+    if all(isinstance(t, float) for t in num):
+        emb, attn, first_mlp, mlp, hd, upd = num
+        out["sum_ms"] = emb + cfg.num_layers * attn + first_mlp + (cfg.num_layers - 1) * mlp + hd + upd
+    return out
+
+
+def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=False) -> dict:
     rec = {"batch": batch, "context": context}
     st, kv = synthetic_state(model, policy, batch, context)
     idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
@@ -115,10 +217,23 @@ def bench_point(model, policy, batch, context, ceil, modes) -> dict:
             rec[f"{mode}_startup_s"] = time.perf_counter() - t0
             rec[f"{mode}_ms"] = time_ms(lambda: stepper.run(batch), 20)
             del stepper
-    costs = step_costs(model.config, batch, context)
-    roof_bytes = (costs["weight_bytes"] + costs["kv_bytes"]) / ceil["hbm_bytes_per_s"] * 1e3
-    roof_flops = costs["flops"] / ceil["bf16_flops_per_s"] * 1e3
-    rec |= costs | {"roofline_ms": max(roof_bytes, roof_flops), "roofline_bound": "memory" if roof_bytes >= roof_flops else "compute"}
+        if moe_ab and moe_layers(model) and "graphs" in modes:  # the grouped-GEMM MoE in the same run
+            for m in moe_layers(model):
+                m.backend = "grouped_mm"
+            stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
+            rec["graphs_grouped_mm_ms"] = time_ms(lambda: stepper.run(batch), 20)
+            del stepper
+            for m in moe_layers(model):
+                m.backend = "auto"
+        if split:
+            rec["split"] = step_split(model, policy, st, kv, idx)
+        touched = touched_experts(model, st, idx, kv) if moe_layers(model) else None
+    if touched is not None:
+        rec["touched_experts"] = touched
+        rec["roofline_uniform_routing_ms"] = roofline_ms(step_costs(model.config, batch, context), ceil)[0]
+    costs = step_costs(model.config, batch, context, touched)
+    roof, bound = roofline_ms(costs, ceil)
+    rec |= costs | {"roofline_ms": roof, "roofline_bound": bound}
     best = min(rec.get(f"{m}_ms", math.inf) for m in modes)
     rec["best_ms"] = best
     rec["tokens_per_s"] = batch * BLOCK / (STEPS + 1) / (best / 1e3)  # tokens decoded per forward: block / (T+1)
@@ -142,6 +257,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,max")
     ap.add_argument("--modes", default="eager,graphs")
     ap.add_argument("--out", default="docs/results/bench_decode.json")
+    ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
+    ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
     args = ap.parse_args()
     modes = args.modes.split(",")
     ceil = ceilings()
@@ -159,7 +276,7 @@ def main() -> None:
             batches = sorted({b for b in (fit if x == "max" else int(x) for x in args.batches.split(",")) if b <= fit})
             for batch in batches:
                 try:
-                    rec = bench_point(model, policy, batch, context, ceil, modes)
+                    rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab)
                 except torch.OutOfMemoryError as e:
                     rec = {"batch": batch, "context": context, "error": f"OOM: {str(e).splitlines()[0]}"}
                     torch.cuda.empty_cache()
@@ -179,6 +296,11 @@ def main() -> None:
         e, g = r.get("eager_ms", float("nan")), r.get("graphs_ms", float("nan"))
         print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4} {e:9.2f} {g:9.2f} {e / g:5.2f} {r['roofline_ms']:8.2f} "
               f"{r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f}")
+    for r in records:
+        if "split" in r:
+            pieces = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["split"].items())
+            print(f"split {r['model']} {r['context']} B{r['batch']} (graph {r.get('graphs_ms', float('nan')):.2f} ms, "
+                  f"grouped-GEMM MoE {r.get('graphs_grouped_mm_ms', float('nan')):.2f} ms): {pieces}")
 
 
 if __name__ == "__main__":
