@@ -68,7 +68,7 @@ def test_rows_do_not_depend_on_the_batch():
             assert torch.equal(moe._routed(x[:n], ids[:n], w[:n]), full[:n]), n
 
 
-@pytest.mark.parametrize("experts,groups,topk_group,top_k", [(256, 8, 4, 8), (8, 2, 1, 2), (64, 1, 1, 6)])
+@pytest.mark.parametrize("experts,groups,topk_group,top_k", [(256, 8, 4, 8), (32, 2, 1, 4), (128, 4, 2, 6), (64, 1, 1, 6)])
 def test_fused_routing_equals_torch_routing(experts, groups, topk_group, top_k):
     cfg = MoEConfig(num_experts=experts, expert_dim=16, top_k=top_k, num_shared=0, n_group=groups,
                     topk_group=topk_group, routed_scaling=2.5, norm_topk_prob=True)
@@ -77,6 +77,7 @@ def test_fused_routing_equals_torch_routing(experts, groups, topk_group, top_k):
         moe.gate.normal_()
         moe.expert_bias.normal_(std=0.1)
         x = torch.randn(500, 64, device="cuda")
+        assert moe_triton.route_supported(x, experts, groups)
         moe.backend = "grouped_mm"  # the torch routing
         ids, w = moe.route(x)
         moe.backend = "auto"
@@ -91,11 +92,12 @@ def test_fused_confidence_equals_softmax_form(vocab, mask_id):
     logits = torch.randn(4, 32, vocab, device="cuda", generator=g) * 4
     logits[0, 0, mask_id] = 1e4  # MASK is the largest logit: excluded from the argmax, counted in the sum
     logits[1, 2, 3] = logits[1, 2, vocab - 5] = 1e3  # a tie across chunks goes to the lower id
-    v, p = torch.ops.compiledllm.confidence(logits, mask_id)
+    fused = base._fused_confidence()  # registers the op; the policies use it on CUDA
+    assert fused is not None
+    v, p = fused(logits, mask_id)
     probs = torch.softmax(logits, dim=-1)
     probs[..., mask_id] = -1.0
     ref_p, ref_v = probs.max(dim=-1)
     assert torch.equal(v, ref_v)
     assert v[1, 2].item() == 3
     torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-7)
-    assert base._fused_confidence() is not None  # the policies use it on CUDA

@@ -98,7 +98,8 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * F_, dim))
         self.w_down = nn.Parameter(torch.zeros(E, dim, F_))
         self.shared = GatedMLP(dim, F_ * cfg.num_shared) if cfg.num_shared else None
-        # "auto": the Triton kernels where they apply (CUDA, bf16/fp16), else grouped GEMM. Benchmarks flip it.
+        # "auto": the Triton routing and expert kernels where they apply (moe_triton.py), else torch;
+        # "grouped_mm": always the torch routing and grouped GEMM (the benchmarks' A/B baseline).
         self.backend = "auto"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +132,8 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Sort the T*k (token, expert) pairs by expert and run two grouped GEMMs. Static shapes and no host
-        sync, so it compiles and captures; each token's k outputs are summed in routing-rank order."""
+        """Sort the T*k (token, expert) pairs by expert, then the Triton expert kernels or two grouped GEMMs.
+        Static shapes and no host sync, so it compiles and captures; each token's k outputs are summed."""
         T, k = ids.shape
         E = self.cfg.num_experts
         flat = ids.flatten()

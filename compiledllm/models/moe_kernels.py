@@ -65,6 +65,13 @@ def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr
 
 
 @triton.jit
+def first_max(values, index, size: tl.constexpr):
+    """(max, lowest index holding it) of a 1-D block: max and min reductions only (no argmax)."""
+    top = tl.max(values, axis=0)
+    return top, tl.min(tl.where(values == top, index, size), axis=0)
+
+
+@triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr, GROUPS: tl.constexpr,
                  TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
     """One token: sigmoid scores, + bias for selection, keep the TOPK_GROUP groups with the largest top-2
@@ -75,26 +82,26 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
     biased = score + tl.load(bias_ptr + e)
     if GROUPS > 1:
         grid = tl.reshape(biased, (GROUPS, E // GROUPS))
-        col = tl.reshape(e, (GROUPS, E // GROUPS)) % (E // GROUPS)
-        first = tl.argmax(grid, axis=1)
         top1 = tl.max(grid, axis=1)
-        top2 = tl.max(tl.where(col == first[:, None], float("-inf"), grid), axis=1)
-        gscore = top1 + top2
+        ties = tl.sum((grid == top1[:, None]).to(tl.int32), axis=1)
+        rest = tl.max(tl.where(grid == top1[:, None], float("-inf"), grid), axis=1)
+        gscore = top1 + tl.where(ties > 1, top1, rest)  # the sum of the two largest, duplicates included
         g = tl.arange(0, GROUPS)
-        keep = tl.zeros((GROUPS,), dtype=tl.int1)
+        keep = tl.zeros((GROUPS,), dtype=tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(tl.where(keep, float("-inf"), gscore), axis=0)
-            keep = keep | (g == best)
+            _, best = first_max(tl.where(keep > 0, float("-inf"), gscore), g, GROUPS)
+            keep = tl.where(g == best, 1, keep)
         kept = tl.reshape(tl.broadcast_to(keep[:, None], (GROUPS, E // GROUPS)), (E,))
-        biased = tl.where(kept, biased, 0.0)  # dropped groups score 0.0, as the torch path
+        biased = tl.where(kept > 0, biased, 0.0)  # dropped groups score 0.0, as the torch path
+    # the picks stay in registers (rank per expert): re-reading ids_ptr here could see another thread's
+    # store not yet visible (no barrier between a program's global stores and loads)
+    rank = tl.full((E,), -1, dtype=tl.int32)
     total = 0.0
-    taken = tl.zeros((E,), dtype=tl.int1)
     for j in tl.static_range(TOPK):
-        best = tl.argmax(tl.where(taken, float("-inf"), biased), axis=0)
-        taken = taken | (e == best)
+        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
+        rank = tl.where(e == best, j, rank)
         tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
         total += tl.sum(tl.where(e == best, score, 0.0))
     wsum = total + 1e-20 if NORM else 1.0
     for j in tl.static_range(TOPK):
-        best = tl.load(ids_ptr + t * TOPK + j)
-        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(e == best, score, 0.0)) / wsum * scaling)
+        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)

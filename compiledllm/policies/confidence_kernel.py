@@ -1,8 +1,8 @@
-"""The confidence rule (policies/base.py `confidence`) as one Triton pass over each logits row, as a torch op.
+"""The confidence rule (policies/base.py `confidence`) as one Triton kernel over each logits row, as a torch op.
 
 The torch form writes the softmax of the whole vocabulary and reads it back (1.6 GB per step at batch 32 with
-LLaDA2's 157K vocabulary); this streams each row once with an online max / sum of exponentials and keeps the
-best non-MASK logit (ties -> lower id). p = exp(best - max) / sum, the softmax probability of that token.
+LLaDA2's 157K vocabulary); this reads each row twice and writes nothing: an online max / sum of exponentials,
+then the most probable non-MASK token by its probability exp(x - max) / sum (ties -> lower id).
 Imported only where Triton is.
 """
 from __future__ import annotations
@@ -20,22 +20,25 @@ def _confidence_kernel(logits_ptr, v_ptr, p_ptr, V: tl.constexpr, MASK_ID: tl.co
     base = logits_ptr + row * V
     m = float("-inf")
     s = 0.0
-    best = float("-inf")
-    best_id = 0
-    for start in range(0, V, BLOCK):
+    for start in range(0, V, BLOCK):  # pass 1: max and sum of exponentials, online
         i = start + tl.arange(0, BLOCK)
         x = tl.load(base + i, mask=i < V, other=float("-inf"))
         new_m = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
         m = new_m
-        cand = tl.where(i == MASK_ID, float("-inf"), x)
-        cbest = tl.max(cand, axis=0)
-        cid = tl.argmax(cand, axis=0) + start
+    best = -1.0
+    best_id = 0
+    for start in range(0, V, BLOCK):  # pass 2: the most probable non-MASK token, on probabilities as the
+        i = start + tl.arange(0, BLOCK)  # torch form compares them (tokens whose probability underflows tie)
+        x = tl.load(base + i, mask=i < V, other=float("-inf"))
+        prob = tl.where(i == MASK_ID, -1.0, tl.exp(x - m) / s)
+        cbest = tl.max(prob, axis=0)
+        cid = tl.min(tl.where(prob == cbest, i, V), axis=0)
         take = cbest > best  # strictly: an earlier chunk keeps its (lower) id on a tie
         best_id = tl.where(take, cid, best_id)
         best = tl.where(take, cbest, best)
     tl.store(v_ptr + row, best_id.to(tl.int64))
-    tl.store(p_ptr + row, tl.exp(best - m) / s)
+    tl.store(p_ptr + row, best)
 
 
 @torch.library.custom_op("compiledllm::confidence", mutates_args=())
