@@ -1,0 +1,74 @@
+"""Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
+test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
+Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence}
+The interpreter has no bf16 (numpy), so the expert kernels run in fp16 here; bf16 runs on the GPU tests."""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from compiledllm.models import moe_triton
+from compiledllm.models.config import MoEConfig
+from compiledllm.models.layers import MoE
+from compiledllm.policies.base import confidence
+
+
+def routed() -> None:
+    g = torch.Generator().manual_seed(0)
+    # (tokens, experts, top_k, dim, expert_dim, every token on the same experts)
+    for T, E, k, D, F_, same in [(5, 4, 2, 48, 16, False), (200, 4, 2, 128, 64, False), (200, 4, 2, 128, 64, True),
+                                 (60, 8, 4, 128, 128, False)]:
+        x = torch.randn(T, D, generator=g).half()
+        wgu = (torch.randn(E, 2 * F_, D, generator=g) * D ** -0.5).half()
+        wd = (torch.randn(E, D, F_, generator=g) * F_ ** -0.5).half()
+        ids = torch.stack([torch.arange(k) if same else torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True).int()
+        counts = torch.zeros(E, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+        y = moe_triton.launch(x, wgu, wd, order, offs, w.flatten(), k)  # [k, T, D]
+        gate, up = torch.einsum("td,tkfd->tkf", x.double(), wgu.double()[ids]).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).half().double()
+        ref = torch.einsum("tkf,tkdf->ktd", act, wd.double()[ids]) * w.double().t()[..., None]
+        err = (y.double() - ref).abs().max().item()
+        assert err <= 2e-3 * ref.abs().max().item(), (T, E, k, D, F_, same, err)
+
+
+def routing() -> None:
+    torch.manual_seed(0)
+    for E, G, TG, K in [(256, 8, 4, 8), (8, 2, 1, 2), (64, 4, 2, 6), (16, 1, 1, 4)]:
+        cfg = MoEConfig(num_experts=E, expert_dim=16, top_k=K, num_shared=0, n_group=G, topk_group=TG,
+                        routed_scaling=2.5, norm_topk_prob=True)
+        moe = MoE(32, cfg)
+        with torch.no_grad():
+            moe.gate.normal_()
+            moe.expert_bias.normal_(std=0.1)
+            x = torch.randn(40, 32)
+            ids, w = moe.route(x)  # torch routing (no CUDA)
+            fused_ids, fused_w = torch.ops.compiledllm.moe_route(x @ moe.gate.t(), moe.expert_bias, G, TG, K, True,
+                                                                 2.5)
+        assert torch.equal(fused_ids, ids), (E, G, TG, K)
+        torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
+
+
+def confidence_kernel() -> None:
+    from compiledllm.policies.confidence_kernel import confidence_op
+
+    torch.manual_seed(0)
+    for V, mask in [(10000, 7), (5000, 4999), (3 * 4096, 0)]:
+        logits = torch.randn(3, 5, V) * 3
+        logits[0, 0, mask] = 100.0  # MASK is the best logit: excluded from the argmax, counted in the sum
+        logits[0, 1, mask] = 1e4  # every other probability underflows to 0: the lowest non-MASK id wins
+        logits[1, 1, 10] = logits[1, 1, 4500] = 50.0  # a tie across chunks: the lower id
+        v, p = confidence(logits, mask)  # the softmax form (no CUDA)
+        fused_v, fused_p = confidence_op(logits.contiguous(), mask)
+        assert torch.equal(fused_v, v), V
+        torch.testing.assert_close(fused_p, p, rtol=1e-5, atol=1e-7)
+
+
+if __name__ == "__main__":
+    {"routed": routed, "routing": routing, "confidence": confidence_kernel}[sys.argv[1]]()
+    print("ok")
