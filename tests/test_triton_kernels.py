@@ -92,9 +92,8 @@ def test_fused_confidence_equals_softmax_form(vocab, mask_id):
     logits = torch.randn(4, 32, vocab, device="cuda", generator=g) * 4
     logits[0, 0, mask_id] = 1e4  # MASK is the largest logit: excluded from the argmax, counted in the sum
     logits[1, 2, 3] = logits[1, 2, vocab - 5] = 1e3  # a tie across chunks goes to the lower id
-    fused = base._fused_confidence()  # registers the op; the policies use it on CUDA
-    assert fused is not None
-    v, p = fused(logits, mask_id)
+    assert base.fused_confidence_available()  # registers the op; the policies use it on CUDA
+    v, p = torch.ops.compiledllm.confidence(logits, mask_id)
     probs = torch.softmax(logits, dim=-1)
     probs[..., mask_id] = -1.0
     ref_p, ref_v = probs.max(dim=-1)

@@ -20,12 +20,17 @@ import torch
 
 
 @functools.cache
-def available() -> bool:
+def _triton_on_cuda() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@torch.compiler.assume_constant_result  # a constant to torch.compile: not traced, no cache-wrapper warning
+def available() -> bool:
+    return _triton_on_cuda()
 
 
 @dataclass(frozen=True)

@@ -31,21 +31,26 @@ def check_probability(name: str, value: float) -> None:
 
 
 @functools.cache
-def _fused_confidence():
-    """The one-pass Triton kernel (confidence_kernel.py) where Triton and CUDA exist, else None."""
+def _load_fused_confidence() -> bool:
+    """Registers the one-kernel form (confidence_kernel.py) where Triton and CUDA exist."""
     try:
         from compiledllm.policies import confidence_kernel  # noqa: F401  (registers the op)
     except ImportError:
-        return None
-    return torch.ops.compiledllm.confidence if torch.cuda.is_available() else None
+        return False
+    return torch.cuda.is_available()
+
+
+@torch.compiler.assume_constant_result  # a constant to torch.compile: not traced, no cache-wrapper warning
+def fused_confidence_available() -> bool:
+    return _load_fused_confidence()
 
 
 def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, p): argmax token with MASK excluded (ties -> lower id) and its softmax probability over the full
     vocabulary, in float32. logits [B, L, V] -> [B, L] each."""
-    fused = _fused_confidence() if logits.is_cuda else None
-    if fused is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        return fused(logits, mask_id)
+    if (logits.is_cuda and logits.dtype == torch.float32 and logits.is_contiguous()
+            and fused_confidence_available()):
+        return torch.ops.compiledllm.confidence(logits, mask_id)
     probs = torch.softmax(logits.float(), dim=-1)
     probs[..., mask_id] = -1.0  # a scalar fill: no host-to-device copy, so it captures in a CUDA graph
     p, v = probs.max(dim=-1)  # max returns the first (lowest) index among ties
