@@ -14,7 +14,7 @@ class LayerKV:
 
     It holds the whole cache and its layer index rather than per-layer views: under torch.compile, views
     made outside the graph become aliasing graph inputs, and writing through them makes Inductor copy the
-    layer (measured: ~4 ms per LLaDA2.0-mini step at batch 32). Views made inside the graph do not."""
+    layer's cache (measured: 80 copies, 6.2 ms per LLaDA2.0-mini step at batch 32). Views made in the graph do not."""
 
     k_all: torch.Tensor  # [B, layers, S, KVH, D]
     v_all: torch.Tensor

@@ -1,4 +1,4 @@
-"""Triton kernels of the routed experts (see moe_triton.py for the contract); imported only where Triton is."""
+"""Triton kernels of the MoE router and routed experts (contracts in moe_triton.py); imported only where Triton is."""
 import triton
 import triton.language as tl
 
