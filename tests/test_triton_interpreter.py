@@ -19,6 +19,7 @@ CHECKS = Path(__file__).with_name("triton_interp_checks.py")
 @pytest.mark.parametrize("check", ["routed", "routing", "confidence"])
 def test_kernel_in_interpreter(check):
     root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(CHECKS), check], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -106,7 +106,8 @@ def main() -> None:
     print(f"\n{'B':>4} {'routing':>8} {'tokens':>6} {'experts':>7} {'floor ms':>8} {'grouped ms':>10} {'triton ms':>9} "
           f"{'best ms':>8} {'triton/HBM':>10}")
     for r in records:
-        print(f"{r['batch']:>4} {r['routing']:>8} {r['tokens']:>6} {r['touched_experts']:>7} {r['floor_ms']:8.3f} {r['grouped_mm_ms']:10.3f} "
+        print(f"{r['batch']:>4} {r['routing']:>8} {r['tokens']:>6} {r['touched_experts']:>7} {r['floor_ms']:8.3f} "
+              f"{r['grouped_mm_ms']:10.3f} "
               f"{r['triton_ms']:9.3f} {r.get('sweep_best_ms', float('nan')):8.3f} {r['triton_hbm_share']:10.0%}")
 
 

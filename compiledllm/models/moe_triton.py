@@ -7,9 +7,10 @@ sort order instead of copying them. An expert many tokens chose (blocks of MASK 
 many row tiles that run in parallel and re-read its weights from L2.
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[rank, token] = w[pair(p)] * (act[p] @ Wd[e]^T)                 (pair(p) = token * k + rank)
-The caller sums y over the k ranks. The router (sigmoid, group-limited top-k, weights) is one more kernel. Static shapes (the grid covers the most row tiles any routing can
-need; spare programs return at once), no host sync: it compiles and captures. Triton is imported lazily
-(CPU installs have none); `available()` says whether this path can run.
+The caller sums y over the k ranks. The router (sigmoid, group-limited top-k, weights) is one more kernel.
+Static shapes (the grid covers the most row tiles any routing can need; spare programs return at once), no
+host sync: it compiles and captures. Triton is imported lazily (CPU installs have none); `available()` says
+whether this path can run.
 """
 from __future__ import annotations
 
