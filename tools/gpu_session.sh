@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the quickstart on CUDA, then the benchmarks. Writes under $OUT.
 # Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/gpu_session.sh
-# STAGES picks what runs (default all): tests quickstart moe decode selection
+# STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
+# steps at batch >= 32, ~100-130 s of compile per point) and kernels (tools/kernel_table.py, eager vs compiled)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -30,6 +31,15 @@ fi
 if has decode; then
   timeout ${BENCH_TIMEOUT:-210} python3 tools/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
+fi
+if has compiled; then
+  timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
+    --batches "${COMPILED_BATCHES:-32,max}" --modes graphs,compiled+graphs --out "$OUT/bench_decode_compiled_h200.json" \
+    2>&1 | grep -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
+fi
+if has kernels; then
+  timeout ${KERNELS_TIMEOUT:-200} python3 tools/kernel_table.py --batch 32 --context 4096 \
+    --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep -v -i warn | tail -60
 fi
 if has selection; then
   (python3 setup.py build_ext --inplace -q >/dev/null 2>&1 && timeout ${SEL_TIMEOUT:-200} python3 tools/bench_selection.py \
