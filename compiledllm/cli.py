@@ -73,7 +73,7 @@ def profile(
     from compiledllm.profiler import profile_recipe
 
     try:
-        table, summary, chart = profile_recipe(recipe, out, set_)
+        table, summary, chart, ops = profile_recipe(recipe, out, set_)
     except UserError as e:
         fail(str(e))
     t = Table(title=f"{summary.model} · {summary.policy} · {summary.device} · {summary.forwards} steps")
@@ -82,6 +82,13 @@ def profile(
     for r in table:
         t.add_row(r.phase, f"{r.total_ms:.1f}", f"{r.per_step_ms:.3f}", f"{r.per_block_ms:.2f}", f"{r.share:.1%}")
     console.print(t)
+    k = Table(title="largest kernels of the whole run (prefill included)" if summary.device.startswith("cuda")
+              else "largest CPU ops of the whole run (prefill included)")
+    for col in ("name", "calls", "total ms"):
+        k.add_column(col, justify="left" if col == "name" else "right", overflow="ellipsis", max_width=70)
+    for o in ops[:10]:
+        k.add_row(o["name"], str(o["calls"]), f"{o['total_ms']:.1f}")
+    console.print(k)
     console.print(f"trace: {out / 'trace.json'}   report: {out / 'profile.json'}")
     console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for matplotlib)")
 

@@ -44,6 +44,19 @@ def phase_times(events, cuda: bool) -> dict[str, float]:
     return out
 
 
+def top_ops(prof, cuda: bool, limit: int | None = 30) -> list[dict]:
+    """GPU kernels (CPU ops without CUDA) of the whole run, prefill included, by self time, largest first.
+    Per-kernel times do not depend on how launches are attributed to the labelled ranges, so they
+    cross-check the phase table."""
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if e.device_type == kind and us > 0 and not e.key.startswith("phase::"):
+            rows.append({"name": e.key, "calls": e.count, "total_ms": us / 1000.0})
+    return sorted(rows, key=lambda r: -r["total_ms"])[:limit]
+
+
 def busy_ms(events) -> float:
     """Total time the GPU ran kernels (self device time of every event)."""
     return sum(ev.self_device_time_total for ev in events) / 1000.0
@@ -73,13 +86,15 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
     else:
         rows.append(("other (norms, rope, embed, host)", max(decode_ms - labelled, 0.0)))
     table = [PhaseRow(p, t, t / steps, t / blocks, t / decode_ms if decode_ms else 0.0) for p, t in rows]
+    ops = top_ops(prof, cuda)
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
     report = {"summary": summary.__dict__, "steps": steps, "blocks": blocks, "decode_ms": decode_ms,
-              "prefill_ms": times["prefill"], "phases": [r.__dict__ for r in table], "trace": str(trace)}
+              "prefill_ms": times["prefill"], "phases": [r.__dict__ for r in table], "trace": str(trace),
+              "top_kernels" if cuda else "top_cpu_ops": ops}
     (out_dir / "profile.json").write_text(json.dumps(report, indent=2) + "\n")
     chart = write_chart(table, summary, out_dir / "profile.png")
-    return table, summary, chart
+    return table, summary, chart, ops
 
 
 def write_chart(table: list[PhaseRow], summary: Summary, path: Path) -> Path | None:

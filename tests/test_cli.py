@@ -244,6 +244,9 @@ def test_profile_writes_trace_report_and_chart(tmp_path):
     assert {"attention", "moe", "mlp", "projections", "head", "acceptance"} <= set(phases)
     assert report["steps"] == report["summary"]["forwards"] > 0
     assert all(r["total_ms"] >= 0 for r in phases.values()) and phases["attention"]["total_ms"] > 0
+    ops = report["top_cpu_ops"]
+    assert ops and all(a["total_ms"] >= b["total_ms"] > 0 for a, b in zip(ops, ops[1:]))
+    assert any(o["name"] == "aten::mm" or o["name"] == "aten::addmm" for o in ops)
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
     assert (tmp_path / "prof" / "profile.png").read_bytes()[:4] == b"\x89PNG"
 

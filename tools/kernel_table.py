@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench_decode import BLOCK, STEPS, synthetic_state
 from compiledllm.engine.stepper import Stepper
 from compiledllm.loader import build_random
+from compiledllm.profiler import top_ops
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 
@@ -27,9 +28,8 @@ def kernel_table(stepper: Stepper, batch: int, steps: int) -> list[dict]:
         for _ in range(steps):
             stepper.run(batch)
         torch.cuda.synchronize()
-    rows = [{"kernel": e.key, "calls_per_step": e.count / steps, "ms_per_step": e.device_time_total / steps / 1e3}
-            for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r["ms_per_step"])
+    return [{"kernel": r["name"], "calls_per_step": r["calls"] / steps, "ms_per_step": r["total_ms"] / steps}
+            for r in top_ops(prof, cuda=True, limit=None)]
 
 
 def main() -> None:
