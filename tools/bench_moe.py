@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench_decode import ceilings, graph_ms
+from gpu_timing import ceilings, graph_ms
 from compiledllm.models import moe_triton
 from compiledllm.models.config import MoEConfig
 from compiledllm.models.layers import MoE
