@@ -5,27 +5,25 @@ import triton.language as tl
 
 @triton.jit
 def row_tile(tile_end_ptr, offs_ptr, E: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr):
-    """(expert, first row, end row) of this program's row tile; expert == E for a spare program."""
+    """(expert, rows [BM], live rows mask) of this program's row tile; expert == E for a spare program."""
     j = tl.program_id(0)
     ends = tl.load(tile_end_ptr + tl.arange(0, E_P2), mask=tl.arange(0, E_P2) < E, other=2**30)
     e = tl.sum((ends <= j).to(tl.int32))  # tile_end is the inclusive cumsum of tiles per expert
     first_tile = tl.max(tl.where(ends <= j, ends, 0))
     e_safe = tl.minimum(e, E - 1)
-    m0 = tl.load(offs_ptr + e_safe) + (j - first_tile) * BM
-    return e, m0, tl.load(offs_ptr + e_safe + 1)
+    rows = tl.load(offs_ptr + e_safe) + (j - first_tile) * BM + tl.arange(0, BM)
+    return e, rows, rows < tl.load(offs_ptr + e_safe + 1)
 
 
 @triton.jit
 def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: tl.constexpr,
                    E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, m0, end = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
     if e >= E:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    rows = m0 + tl.arange(0, BM)
-    live = rows < end
     tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
     xa = x_ptr + tok.to(tl.int64)[:, None] * D + rk[None, :]
     wg = w_ptr + e.to(tl.int64) * (2 * F * D) + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg[e]^T
@@ -45,13 +43,11 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: 
 def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, T, E: tl.constexpr,
                 E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr):
-    e, m0, end = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
     if e >= E:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    rows = m0 + tl.arange(0, BM)
-    live = rows < end
     pair = tl.load(order_ptr + rows, mask=live, other=0)
     aa = act_ptr + rows.to(tl.int64)[:, None] * F + rk[None, :]
     wd = w_ptr + e.to(tl.int64) * (D * F) + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd[e]^T

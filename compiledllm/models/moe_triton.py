@@ -14,24 +14,11 @@ whether this path can run.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-
-@functools.cache
-def _triton_on_cuda() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@torch.compiler.assume_constant_result  # a constant to torch.compile: not traced, no cache-wrapper warning
-def available() -> bool:
-    return _triton_on_cuda()
+from compiledllm.triton_support import triton_on_cuda as available
 
 
 @dataclass(frozen=True)

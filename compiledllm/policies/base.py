@@ -7,11 +7,12 @@ compiled / captured step.
 """
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from compiledllm.triton_support import triton_on_cuda
 
 State = dict[str, torch.Tensor]
 
@@ -30,19 +31,14 @@ def check_probability(name: str, value: float) -> None:
         raise ValueError(f"{name}: must be within [0, 1], got {value}")
 
 
-@functools.cache
-def _load_fused_confidence() -> bool:
-    """Registers the one-kernel form (confidence_kernel.py) where Triton and CUDA exist."""
-    try:
-        from compiledllm.policies import confidence_kernel  # noqa: F401  (registers the op)
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@torch.compiler.assume_constant_result  # a constant to torch.compile: not traced, no cache-wrapper warning
+@torch.compiler.assume_constant_result  # a constant to torch.compile: not traced
 def fused_confidence_available() -> bool:
-    return _load_fused_confidence()
+    """Registers the one-kernel form (confidence_kernel.py) where Triton and CUDA exist."""
+    if not triton_on_cuda():
+        return False
+    from compiledllm.policies import confidence_kernel  # noqa: F401  (registers the op)
+
+    return True
 
 
 def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
