@@ -120,7 +120,8 @@ class ExportedModel:
             raise UserError(f"the exported engine has buckets {self.buckets}; batch {batch} was not exported")
         return self.runners[batch]
 
-    def __call__(self, input_ids, positions, attn_meta, kv: KVCache | None = None, logits_index=None):
+    def __call__(self, input_ids, positions, attn_meta, kv: KVCache | None = None, logits_index=None,
+                 float_logits: bool = True):  # the packages return float32 logits either way
         if isinstance(attn_meta, DenseAttention):
             return self._runner(input_ids.shape[0])(input_ids, positions, attn_meta.mask, logits_index)
         bk = self.block_size

@@ -92,11 +92,15 @@ def test_fused_confidence_equals_softmax_form(vocab, mask_id):
     logits = torch.randn(4, 32, vocab, device="cuda", generator=g) * 4
     logits[0, 0, mask_id] = 1e4  # MASK is the largest logit: excluded from the argmax, counted in the sum
     logits[1, 2, 3] = logits[1, 2, vocab - 5] = 1e3  # a tie across chunks goes to the lower id
+    need = torch.rand(4, 32, device="cuda", generator=g) < 0.7
+    need[0, 0] = need[1, 2] = True
     assert base.fused_confidence_available()  # registers the op; the policies use it on CUDA
-    v, p = torch.ops.compiledllm.confidence(logits, mask_id)
-    probs = torch.softmax(logits, dim=-1)
-    probs[..., mask_id] = -1.0
-    ref_p, ref_v = probs.max(dim=-1)
-    assert torch.equal(v, ref_v)
-    assert v[1, 2].item() == 3
-    torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-7)
+    for x in (logits, logits.to(torch.bfloat16)):  # the decode step hands over bf16 logits
+        v, p = torch.ops.compiledllm.confidence(x, need, mask_id)
+        probs = torch.softmax(x.float(), dim=-1)
+        probs[..., mask_id] = -1.0
+        ref_p, ref_v = probs.max(dim=-1)
+        assert torch.equal(v[need], ref_v[need])
+        assert v[1, 2].item() == 3
+        torch.testing.assert_close(p[need], ref_p[need], rtol=1e-5, atol=1e-7)
+        assert (v[~need] == mask_id).all() and (p[~need] == -1).all()

@@ -63,10 +63,14 @@ def confidence_kernel() -> None:
         logits[0, 0, mask] = 100.0  # MASK is the best logit: excluded from the argmax, counted in the sum
         logits[0, 1, mask] = 1e4  # every other probability underflows to 0: the lowest non-MASK id wins
         logits[1, 1, 10] = logits[1, 1, 4500] = 50.0  # a tie across chunks: the lower id
-        v, p = confidence(logits, mask)  # the softmax form (no CUDA)
-        fused_v, fused_p = confidence_op(logits.contiguous(), mask)
-        assert torch.equal(fused_v, v), V
-        torch.testing.assert_close(fused_p, p, rtol=1e-5, atol=1e-7)
+        need = torch.rand(3, 5) < 0.7
+        need[0, :2] = need[1, 1] = True
+        for x in (logits, logits.to(torch.bfloat16)):  # the decode step hands over the model's dtype
+            v, p = confidence(x, mask, need)  # the softmax form (no CUDA)
+            fused_v, fused_p = confidence_op(x.contiguous(), need, mask)
+            assert torch.equal(fused_v, v), (V, x.dtype)
+            torch.testing.assert_close(fused_p, p, rtol=1e-5, atol=1e-7)
+            assert (fused_v[~need] == mask).all() and (fused_p[~need] == -1).all()
 
 
 if __name__ == "__main__":

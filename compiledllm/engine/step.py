@@ -17,14 +17,14 @@ from compiledllm.profiling import phase
 
 def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, window: torch.Tensor,
                  kv: KVCache | None) -> torch.Tensor:
-    """Float32 logits [B, Bk, V] of each row's block window (tokens `window` at positions idx [B, Bk])."""
+    """Logits [B, Bk, V] (the model's dtype) of each row's block window (tokens `window` at positions idx [B, Bk])."""
     if model.bidirectional:
         # Bidirectional models forward the whole working sequence each step (no cache); padding keys are hidden.
         B, T = st.seq.shape
         pos = torch.arange(T, device=st.seq.device).expand(B, T)
         visible = (pos < st.work_len[:, None])[:, None, :]  # [B, 1, T] -> every query sees the row's sequence
-        return model(st.seq, pos, DenseAttention(visible), logits_index=idx)
-    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv)
+        return model(st.seq, pos, DenseAttention(visible), logits_index=idx, float_logits=False)
+    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv, float_logits=False)
 
 
 def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None) -> None:

@@ -46,9 +46,11 @@ class BlockDiffusionLM(nn.Module, ABC):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def forward(self, input_ids, positions, attn_meta, kv=None, logits_index=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn_meta, kv=None, logits_index=None, float_logits=True) -> torch.Tensor:
         """input_ids/positions [B, L]; kv: a KVCache (or None); logits_index [B, K] picks the positions
-        whose logits are wanted (all when None). Returns float32 logits [B, L or K, V]."""
+        whose logits are wanted (all when None). Returns logits [B, L or K, V]: float32, or with
+        float_logits=False in the model's dtype (the decode step: its confidence reads them as they are, which
+        spares writing and reading a float32 copy of the vocabulary-wide logits)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
@@ -58,7 +60,8 @@ class BlockDiffusionLM(nn.Module, ABC):
         h = self.norm(h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         with phase("head"):
-            return (h @ head.t()).float()
+            logits = h @ head.t()
+            return logits.float() if float_logits else logits
 
     @torch.no_grad()
     def reference_forward(self, input_ids: torch.Tensor, block_size: int | None = 32) -> torch.Tensor:

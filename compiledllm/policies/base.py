@@ -1,7 +1,7 @@
 """What every decoding policy shares: the per-step contract and the confidence rule of DESIGN.md §4.
 
 A policy sees one block-sized window per row and decides which tokens change. It never touches the
-model: the engine forwards, hands it float32 logits of the window, and applies what it returns.
+model: the engine forwards, hands it the logits of the window, and applies what it returns.
 Everything here is a pure tensor function over static shapes (no host syncs): it runs inside the
 compiled / captured step.
 """
@@ -41,16 +41,16 @@ def fused_confidence_available() -> bool:
     return True
 
 
-def confidence(logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def confidence(logits: torch.Tensor, mask_id: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, p): argmax token with MASK excluded (ties -> lower id) and its softmax probability over the full
-    vocabulary, in float32. logits [B, L, V] -> [B, L] each."""
-    if (logits.is_cuda and logits.dtype == torch.float32 and logits.is_contiguous()
-            and fused_confidence_available()):
-        return torch.ops.compiledllm.confidence(logits, mask_id)
+    vocabulary, computed in float32. logits [B, L, V] (any float dtype), need [B, L] bool -> [B, L] each;
+    where need is False, v = MASK and p = -1 (the fused kernel skips those rows)."""
+    if logits.is_cuda and logits.is_contiguous() and fused_confidence_available():
+        return torch.ops.compiledllm.confidence(logits, need, mask_id)
     probs = torch.softmax(logits.float(), dim=-1)
     probs[..., mask_id] = -1.0  # a scalar fill: no host-to-device copy, so it captures in a CUDA graph
     p, v = probs.max(dim=-1)  # max returns the first (lowest) index among ties
-    return v, p
+    return torch.where(need, v, mask_id), torch.where(need, p, -1.0)
 
 
 def top_confident(conf: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class Policy(ABC):
 
     @abstractmethod
     def update(self, window: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
-        """window [B, Bk] tokens, logits [B, Bk, V] float32, gen [B, Bk] bool (generated, changeable positions).
+        """window [B, Bk] tokens, logits [B, Bk, V] (the model's dtype; policies compute in float32), gen [B, Bk] bool (generated, changeable positions).
         Returns (new_window [B, Bk], block_done [B] bool, new_state). A block is done when the forward just
         made saw its final tokens (so that forward's KV is the block's KV)."""
 

@@ -39,8 +39,8 @@ class T2TPolicy(Policy):
 
     def update(self, window, logits, gen, state):
         c = self.config
-        v, p = confidence(logits, self.mask_id)
         masked = (window == self.mask_id) & gen
+        v, p = confidence(logits, self.mask_id, gen)
         no_mask = ~masked.any(1)
         post = state["post"] + no_mask.long()
         expired = no_mask & (post > c.max_post_steps)

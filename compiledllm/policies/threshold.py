@@ -44,8 +44,8 @@ class ThresholdPolicy(Policy):
         return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
 
     def update(self, window, logits, gen, state):
-        v, p = confidence(logits, self.mask_id)
         masked = (window == self.mask_id) & gen
+        v, p = confidence(logits, self.mask_id, masked)
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
         accept = masked & (p > self.config.threshold)
