@@ -28,7 +28,8 @@ static inline void prefetch_row(const uint16_t* row, int64_t D, bool l2) {
 
 // VDPBF16PS semantics by FMA: bf16 -> fp32 is a shift (even element) or a mask (odd element);
 // products of bf16 values are exact in fp32, so FMA(odd) then FMA(even) equals VDPBF16PS bit for
-// bit (inputs assumed normal: VDPBF16PS flushes denormals). Used where VDPBF16PS is slow.
+// bit, and any other order of adds can be reproduced the same way (inputs assumed normal:
+// VDPBF16PS flushes denormals). Used where VDPBF16PS is slow.
 static inline __m512 bf_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
 static inline __m512 bf_odd(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xFFFF0000u))));
@@ -138,50 +139,42 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 // Many rows: transpose the tile once (lanes = keys, one dword = one dim pair), then every row is
-// P broadcast-VDPBF16PS (or 2P broadcast FMAs) in two chains (even / odd pairs), no reduction.
+// one chain over the pairs in order, even element first (TDPBF16PS's order; see cpu_select.h), NR
+// rows in flight to hide the latency. VDPBF16PS adds a pair's odd element first, so its keys
+// (kt) and query dwords (qr) come with the halves swapped: its first add is the even element.
 template <int NR, int P>
-static inline void score_rows_t(const __m512i* kt, const uint32_t* qp, float c, float* s) {
-  __m512 a0[NR], a1[NR];
-  const uint32_t* qr[NR];
-  for (int i = 0; i < NR; ++i) {
-    a0[i] = a1[i] = _mm512_setzero_ps();
-    qr[i] = qp + i * P;
-  }
-  for (int p = 0; p < P; p += 2) {
-    const __m512bh k0 = as_bh(kt[p]), k1 = as_bh(kt[p + 1]);
-    for (int i = 0; i < NR; ++i) {
-      a0[i] = _mm512_dpbf16_ps(a0[i], k0, as_bh(_mm512_set1_epi32(int(qr[i][p]))));
-      a1[i] = _mm512_dpbf16_ps(a1[i], k1, as_bh(_mm512_set1_epi32(int(qr[i][p + 1]))));
-    }
+static inline void score_rows_t(const __m512i* kt, const uint32_t* qr, float c, float* s) {
+  __m512 a[NR];
+  for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+  for (int p = 0; p < P; ++p) {
+    const __m512bh k = as_bh(kt[p]);
+    for (int i = 0; i < NR; ++i) a[i] = _mm512_dpbf16_ps(a[i], k, as_bh(_mm512_set1_epi32(int(qr[i * P + p]))));
   }
   const __m512 vc = _mm512_set1_ps(c);
-  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(_mm512_add_ps(a0[i], a1[i]), vc));
+  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(a[i], vc));
 }
 
 // FMA form: kf[2p] / kf[2p+1] = even / odd elements of pair p of the 16 keys as float; the query
 // element of pair p is qf[(p / 16) * 32 + p % 16] (even) and 16 further (odd).
 template <int NR, int P>
-static inline void score_rows_tf(const __m512* kf, const float* qf, int D, float c, float* s) {
-  __m512 a0[NR], a1[NR];
-  for (int i = 0; i < NR; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-  for (int p = 0; p < P; p += 2) {
-    const __m512 e0 = kf[2 * p], o0 = kf[2 * p + 1], e1 = kf[2 * p + 2], o1 = kf[2 * p + 3];
-    const int x = (p / 16) * 32 + p % 16;
+static inline void score_rows_tf(const __m512* kf, const float* qf, float c, float* s) {
+  __m512 a[NR];
+  for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512 e = kf[2 * p], o = kf[2 * p + 1];
+    const float* x = qf + (p / 16) * 32 + p % 16;  // row i at x + i * 2P: constant offsets
     for (int i = 0; i < NR; ++i) {
-      const float* qr = qf + i * D + x;
-      a0[i] = _mm512_fmadd_ps(o0, _mm512_set1_ps(qr[16]), a0[i]);
-      a0[i] = _mm512_fmadd_ps(e0, _mm512_set1_ps(qr[0]), a0[i]);
-      a1[i] = _mm512_fmadd_ps(o1, _mm512_set1_ps(qr[17]), a1[i]);
-      a1[i] = _mm512_fmadd_ps(e1, _mm512_set1_ps(qr[1]), a1[i]);
+      a[i] = _mm512_fmadd_ps(e, _mm512_set1_ps(x[i * 2 * P]), a[i]);
+      a[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[i * 2 * P + 16]), a[i]);
     }
   }
   const __m512 vc = _mm512_set1_ps(c);
-  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(_mm512_add_ps(a0[i], a1[i]), vc));
+  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(a[i], vc));
 }
 
 template <int DC, bool DP>
-static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int R,
-                                  float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const Queries& q, int R, float c, float* s,
+                                  void* tmp, const Prefetch& pf, const Prefetch& pv) {
   constexpr int P = DC * 16, D = DC * 32;
   for (const Prefetch* x : {&pf, &pv})
     for (int j = 0; x->rows && j < x->n; ++j) prefetch_row(x->rows + j * x->stride, D, x->l2);
@@ -194,7 +187,7 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const ui
     for (int x = 0; x < 16; ++x) {
       const int pp = blk * 16 + x;
       if (DP) {
-        _mm512_store_si512(kt + pp, r[x]);
+        _mm512_store_si512(kt + pp, _mm512_rol_epi32(r[x], 16));
       } else {
         _mm512_store_ps(kf + 2 * pp, bf_even(r[x]));
         _mm512_store_ps(kf + 2 * pp + 1, bf_odd(r[x]));
@@ -203,48 +196,48 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const ui
   }
   int r0 = 0;
   if (DP) {
-    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
-    for (; r0 + 4 <= R; r0 += 4) score_rows_t<4, P>(kt, qp + r0 * P, c, s + r0 * kTile);
-    for (; r0 < R; ++r0) score_rows_t<1, P>(kt, qp + r0 * P, c, s + r0 * kTile);
+    for (; r0 + 8 <= R; r0 += 8) score_rows_t<8, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
+    for (; r0 + 4 <= R; r0 += 4) score_rows_t<4, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
+    for (; r0 < R; ++r0) score_rows_t<1, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
   } else {
-    for (; r0 + 8 <= R; r0 += 8) score_rows_tf<8, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
-    for (; r0 + 4 <= R; r0 += 4) score_rows_tf<4, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
-    for (; r0 < R; ++r0) score_rows_tf<1, P>(kf, qf + r0 * D, D, c, s + r0 * kTile);
+    for (; r0 + 16 <= R; r0 += 16) score_rows_tf<16, P>(kf, q.qf + r0 * D, c, s + r0 * kTile);
+    for (; r0 + 8 <= R; r0 += 8) score_rows_tf<8, P>(kf, q.qf + r0 * D, c, s + r0 * kTile);
+    for (; r0 + 4 <= R; r0 += 4) score_rows_tf<4, P>(kf, q.qf + r0 * D, c, s + r0 * kTile);
+    for (; r0 < R; ++r0) score_rows_tf<1, P>(kf, q.qf + r0 * D, c, s + r0 * kTile);
   }
 }
 
 template <int DC, bool DP>
-static inline void score_tile_dc_any(const uint16_t* k, int64_t ks, int n, const uint16_t* q, const float* qf, int R,
-                                     float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+static inline void score_tile_dc_any(const uint16_t* k, int64_t ks, int n, const Queries& q, int R, float c, float* s,
+                                     void* tmp, const Prefetch& pf, const Prefetch& pv) {
   if (R >= kTransposeMinRows)
-    score_tile_transposed<DC, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv);
+    score_tile_transposed<DC, DP>(k, ks, n, q, R, c, s, tmp, pf, pv);
   else
-    score_tile_dc<DC, DP>(k, ks, n, q, qf, R, c, s, static_cast<__m512*>(tmp), pf, pv);
+    score_tile_dc<DC, DP>(k, ks, n, q.q, q.qf, R, c, s, static_cast<__m512*>(tmp), pf, pv);
 }
 
 // Which form computes the dot products: VDPBF16PS where it is fast, FMA otherwise (same bits).
 static bool use_dp();
 
 template <bool DP>
-static void score_tile_isa(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float* qf, int R,
-                           float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+static void score_tile_isa(const uint16_t* k, int64_t ks, int n, int D, const Queries& q, int R, float c, float* s,
+                           void* tmp, const Prefetch& pf, const Prefetch& pv) {
   switch (D / 32) {
-    case 1: score_tile_dc_any<1, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 2: score_tile_dc_any<2, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 3: score_tile_dc_any<3, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 4: score_tile_dc_any<4, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 5: score_tile_dc_any<5, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 6: score_tile_dc_any<6, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    case 7: score_tile_dc_any<7, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
-    default: score_tile_dc_any<8, DP>(k, ks, n, q, qf, R, c, s, tmp, pf, pv); break;
+    case 1: score_tile_dc_any<1, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 2: score_tile_dc_any<2, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 3: score_tile_dc_any<3, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 4: score_tile_dc_any<4, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 5: score_tile_dc_any<5, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 6: score_tile_dc_any<6, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 7: score_tile_dc_any<7, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    default: score_tile_dc_any<8, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
   }
 }
 
-static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float* qf, int R,
-                       float c, float* s, void* tmp, const Prefetch& pf, const Prefetch& pv) {
+static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const Queries& q, int R, float c, float* s,
+                       void* tmp, const Prefetch& pf, const Prefetch& pv) {
   if (use_dp())
-    score_tile_isa<true>(k, ks, n, D, q, qf, R, c, s, tmp, pf, pv);
+    score_tile_isa<true>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
   else
-    score_tile_isa<false>(k, ks, n, D, q, qf, R, c, s, tmp, pf, pv);
+    score_tile_isa<false>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
 }
-

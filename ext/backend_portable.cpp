@@ -1,6 +1,6 @@
 // Portable path (any CPU, baseline flags): plain loops over 16-lane arrays that repeat the
-// AVX-512 path's arithmetic step for step (VDPBF16PS = two float adds per bf16 pair, odd element
-// first; the same exp2 and reduction trees), so both paths rank positions identically.
+// AVX-512 path's arithmetic step for step (two float adds per bf16 pair in the contract's order
+// for few or many rows; the same exp2 and reduction trees), so both paths rank positions identically.
 #include <omp.h>
 
 #include <algorithm>
@@ -107,29 +107,28 @@ static inline float dot_bf16(const uint16_t* k, const uint16_t* q, int D) {
   return (g[0] + g[1]) + (g[2] + g[3]);
 }
 
-// The same with transposed tiles (R >= kTransposeMinRows): chain a0 over pairs 0, 2, 4.., a1 over
-// pairs 1, 3, 5.., each pair odd element first, then a0 + a1.
-static inline float dot_bf16_chains(const uint16_t* k, const uint16_t* q, int D) {
-  float a0 = 0.f, a1 = 0.f;
-  for (int d = 0; d < D; d += 4) {
-    a0 = a0 + bf16(k[d + 1]) * bf16(q[d + 1]);
-    a0 = a0 + bf16(k[d]) * bf16(q[d]);
-    a1 = a1 + bf16(k[d + 3]) * bf16(q[d + 3]);
-    a1 = a1 + bf16(k[d + 2]) * bf16(q[d + 2]);
+// Many rows (R >= kTransposeMinRows): one chain over the pairs in order, each pair even element
+// first (TDPBF16PS's order, which the AVX-512 transposed tiles reproduce).
+static inline float dot_bf16_chain(const uint16_t* k, const uint16_t* q, int D) {
+  float a = 0.f;
+  for (int d = 0; d < D; d += 2) {
+    a = a + bf16(k[d]) * bf16(q[d]);
+    a = a + bf16(k[d + 1]) * bf16(q[d + 1]);
   }
-  return a0 + a1;
+  return a;
 }
 
-static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, const float*, int R, float c,
-                       float* s, void*, const Prefetch&, const Prefetch&) {
-  const bool chains = R >= kTransposeMinRows;
+static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const Queries& qs, int R, float c, float* s,
+                       void*, const Prefetch&, const Prefetch&) {
+  const bool chain = R >= kTransposeMinRows;
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 16; ++j) {
       if (j >= n) {
         s[r * 16 + j] = 0.f;
         continue;
       }
-      const float dot = chains ? dot_bf16_chains(k + j * ks, q + r * D, D) : dot_bf16(k + j * ks, q + r * D, D);
+      const uint16_t* q = qs.q + r * D;
+      const float dot = chain ? dot_bf16_chain(k + j * ks, q, D) : dot_bf16(k + j * ks, q, D);
       s[r * 16 + j] = dot * c;
     }
 }

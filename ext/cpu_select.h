@@ -5,8 +5,13 @@
 //   b < B requests, h < KVH kv heads, s < lengths[b] valid positions, d < D (D % 32 == 0, D <= 256).
 // Queries, bf16 bits: [b][hq][i][d] at q + b*q_sb + hq*q_sh + i*q_sn + d, hq < KVH*G, i < n_q.
 //   Query head hq reads kv head hq / G. Inside a kv head the G*n_q rows are r = g*n_q + i.
-// Scores are float32 dot products of bf16 values (as VDPBF16PS: pairs of dims, odd then even),
-// times scale. Per (b, h):
+// Scores are float32 dot products of bf16 values, times scale. Each bf16 product is exact in
+// float32; the order of the (rounded) adds is part of the contract, so every path gives the same bits:
+//   R = G*n_q < kTransposeMinRows: lane l sums dim pairs (32c + 2l, +1) over chunks c, odd element
+//     first (VDPBF16PS's order), then the 16 lanes reduce in a fixed tree (backend_portable.cpp);
+//   R >= kTransposeMinRows: one chain over pairs 0 .. D/2-1 in order, even element first, then odd
+//     (TDPBF16PS's order in Intel's pseudocode, so AMX can compute it).
+// Per (b, h):
 //   importance[s] = sum_r exp(score[r][s] - lse[r]),  lse[r] = log sum_s exp(score[r][s])
 //   idx  int32 [B][KVH][topk]: the topk positions of largest importance (ties: lower position
 //        first), written in ascending position order; if topk >= length, 0..length-1 then -1.

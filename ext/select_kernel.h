@@ -3,8 +3,7 @@
 //   V vzero(), vset(float), vload(const float*), vstore(float*, V), vadd, vmul,
 //   vexp2_rel(V x, float m) (the shared exp2 recipe below), bool vany_gt(V, float), vtail(V, n, fill),
 //   float vhmax(V), vhsum(V),
-//   score_tile(k, k_ss, n, D, q_rows, qf_rows, R, c, s[R][16], tmp, pk, pv)   s = c * (q . k), 16 keys
-//     (q_rows bf16 [R][D]; qf_rows float32, per 32-dim chunk 16 even then 16 odd elements),
+//   score_tile(k, k_ss, n, D, Queries, R, c, s[R][16], tmp, pk, pv)   s = c * (q . k), 16 keys,
 //     issuing the prefetches pk, pv (rows of later tiles) along the way,
 //   pv_tile(v, v_ss, n, D, p[R][16], R, o[R][D], tmp)       o += p @ v over 16 keys,
 //   collect_bucket(imp, n, start, bucket, out), emit_selected(imp, n, start, cut_bits, cut_pos, out),
@@ -58,21 +57,29 @@ struct AlignedBuf {
 
 // Per-thread tiles: packed query rows, scores and probabilities of one tile, lane sums, temp.
 struct ThreadBuf {
-  AlignedBuf q, qf, s, pr, lv, tmp;
+  AlignedBuf q, qf, qr, s, pr, lv, tmp;
   int64_t q_item = -1;
   ThreadBuf(int64_t R, int64_t D)
-      : q(R * D * 2), qf(R * D * 4), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4), tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
+      : q(R * D * 2), qf(R * D * 4), qr(R * D * 2), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4),
+        tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
+  Queries queries() const { return {q.as<uint16_t>(), qf.as<float>(), qr.as<uint32_t>()}; }
 };
 
-inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, uint16_t* q, float* qf) {
+inline void pack_query_row(const uint16_t* src, int64_t r, int64_t D, ThreadBuf& t) {
+  std::memcpy(t.q.as<uint16_t>() + r * D, src, D * 2);
+  float* qf = t.qf.as<float>() + r * D;
+  for (int64_t d = 0; d < D; ++d) {  // per 32-dim chunk: 16 even elements, then 16 odd
+    const uint32_t u = uint32_t(src[d]) << 16;
+    std::memcpy(qf + (d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2, &u, 4);
+  }
+  uint32_t* qr = t.qr.as<uint32_t>() + r * (D / 2);
+  for (int64_t p = 0; p < D / 2; ++p) qr[p] = uint32_t(src[2 * p]) << 16 | src[2 * p + 1];
+}
+
+inline void pack_queries(const SelectArgs& a, const Item& it, int64_t R, ThreadBuf& t) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = r / a.n_q, i = r % a.n_q;
-    const uint16_t* src = a.q + it.b * a.q_sb + (it.h * a.G + g) * a.q_sh + i * a.q_sn;
-    std::memcpy(q + r * a.D, src, a.D * 2);
-    for (int64_t d = 0; d < a.D; ++d) {  // per 32-dim chunk: 16 even elements, then 16 odd
-      const uint32_t u = uint32_t(src[d]) << 16;
-      std::memcpy(qf + r * a.D + (d / 32) * 32 + (d % 2) * 16 + (d % 32) / 2, &u, 4);
-    }
+    pack_query_row(a.q + it.b * a.q_sb + (it.h * a.G + g) * a.q_sh + i * a.q_sn, r, a.D, t);
   }
 }
 
@@ -83,7 +90,7 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
   const Item& it = p.items[u.item];
   const int64_t R = p.R, D = a.D, C = it.C;
   if (t.q_item != u.item) {
-    pack_queries(a, it, R, t.q.as<uint16_t>(), t.qf.as<float>());
+    pack_queries(a, it, R, t);
     t.q_item = u.item;
   }
   float* m = st;
@@ -109,8 +116,7 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
     if (pf && vb && s0 + pf - kTile < u.end)
       pv = Prefetch{vb + (s0 + pf - kTile) * a.v_ss, a.v_ss, int(std::min<int64_t>(kTile, u.end - s0 - pf + kTile)),
                     a.prefetch_l2};
-    score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.q.as<uint16_t>(), t.qf.as<float>(), int(R), c, s, t.tmp.p, pk,
-               pv);
+    score_tile(kb + s0 * a.k_ss, a.k_ss, n, int(D), t.queries(), int(R), c, s, t.tmp.p, pk, pv);
     const int64_t j = s0 - u.start;
     for (int64_t r = 0; r < R; ++r) {
       V x = vload(s + r * kTile);

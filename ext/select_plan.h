@@ -43,6 +43,12 @@ struct Prefetch {  // rows of a later tile to prefetch while the current one is 
   bool l2 = false;  // prefetcht1 (to L2) instead of prefetcht0
 };
 
+struct Queries {  // one item's query rows, in the layouts the scoring forms read
+  const uint16_t* q;   // bf16 [R][D]
+  const float* qf;     // float32 [R][D], per 32-dim chunk 16 even then 16 odd elements
+  const uint32_t* qr;  // [R][D / 2] dim pairs with the bf16 halves swapped (odd element low)
+};
+
 struct Item {
   int64_t b, h, len, C;
   int64_t first_unit, n_units;
