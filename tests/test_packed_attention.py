@@ -1,7 +1,6 @@
 """Packed block-diffusion attention: the torch reference (CPU) and the CuPy kernel (GPU)."""
 import importlib.util
 import itertools
-import math
 import random
 
 import pytest
@@ -97,27 +96,31 @@ def test_dispatch_on_cpu_uses_reference():
         packed_attention(*inputs, 4, backend="nope")
 
 
-# ---------------------------------------------------------------- GPU: the CuPy kernel
+# ---------------------------------------------------------------- GPU: the CuPy and Triton kernels
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 gpu = pytest.mark.gpu
-needs_kernel = pytest.mark.skipif(
-    not (HAS_CUDA and HAS_CUPY),
-    reason="needs a CUDA device and CuPy (pip install compiledllm[cupy-cuda13])",
-)
+needs_kernel = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+BACKENDS = [
+    pytest.param("cupy", marks=pytest.mark.skipif(not HAS_CUPY, reason="CuPy not installed (compiledllm[cupy-cuda13])")),
+    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")),
+]
 
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check_kernel(inputs, slot, scale=None, **kw):
+def check_kernel(inputs, slot, scale=None, backend="cupy", **kw):
     from compiledllm.attention.cupy_packed import packed_attention_cuda
+    from compiledllm.attention.triton_packed import packed_attention_triton_launch
 
     q = inputs[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = packed_attention_cuda(*inputs, slot, scale, True, **kw)
+    launch = packed_attention_cuda if backend == "cupy" else packed_attention_triton_launch
+    out, lse = launch(*inputs, slot, scale, True, **kw)
     ref_out, ref_lse = packed_attention_ref(*inputs, slot, scale=scale, return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert rel_err(out, ref_out) < 1e-2, rel_err(out, ref_out)
@@ -139,24 +142,27 @@ def random_cases(n, seed):
 
 @gpu
 @needs_kernel
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(random_cases(40, seed=1)), ids=lambda c: "B{B}S{S}L{Lq}s{slot}H{H}K{KVH}D{D}".format(**c))
-def test_kernel_random_grid(case):
+def test_kernel_random_grid(case, backend):
     c = dict(case)
     slot, dtype = c.pop("slot"), c.pop("dtype")
     inputs = make_inputs(**c, dtype=dtype, device="cuda")
-    check_kernel(inputs, slot)
+    check_kernel(inputs, slot, backend=backend)
 
 
 @gpu
 @needs_kernel
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,D,Lq,G", list(itertools.product([torch.bfloat16, torch.float16], [64, 128], [32, 64, 128], [1, 4, 8])))
-def test_kernel_shapes(dtype, D, Lq, G):
+def test_kernel_shapes(dtype, D, Lq, G, backend):
     inputs = make_inputs(3, 700, Lq, 2 * G, 2, D, dtype=dtype, device="cuda", prefix=[0, 700, 321])
-    check_kernel(inputs, 8, scale=0.1)
+    check_kernel(inputs, 8, scale=0.1, backend=backend)
 
 
 @gpu
 @needs_kernel
+@pytest.mark.skipif(not HAS_CUPY, reason="CuPy not installed (compiledllm[cupy-cuda13])")
 @pytest.mark.parametrize("tile", ["w4", "w8", "w4m2", "w8s"])
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_kernel_tiles_and_splits(tile, splits):
@@ -168,32 +174,49 @@ def test_kernel_tiles_and_splits(tile, splits):
 
 @gpu
 @needs_kernel
-def test_kernel_strided_inputs_and_int32_prefix():
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+@pytest.mark.parametrize("tile", ["m128n64", "m128n128", "m64n64", "m64n128"])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_triton_tiles_and_splits(tile, splits):
+    from compiledllm.attention.triton_packed import TRITON_TILES
+
+    inputs = make_inputs(2, 1500, 64, 8, 2, 128, dtype=torch.bfloat16, device="cuda", prefix=[1500, 77])
+    check_kernel(inputs, 32, backend="triton", tile=TRITON_TILES[tile], splits=splits)
+
+
+@gpu
+@needs_kernel
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_strided_inputs_and_int32_prefix(backend):
     B, S, Lq, H, KVH, D = 3, 900, 64, 16, 4, 128
     big = torch.randn(B, S + 100, KVH, D, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache = big[:, :S], torch.randn_like(big)[:, 50 : 50 + S]
     qkv = torch.randn(B, Lq, H + 2 * KVH, D, device="cuda", dtype=torch.bfloat16)  # fused projection
     q, k_win, v_win = qkv.split([H, KVH, KVH], dim=2)
     prefix = torch.tensor([0, 900, 450], device="cuda", dtype=torch.int32)
-    out = check_kernel((q, k_cache, v_cache, prefix, k_win, v_win), 32)
+    out = check_kernel((q, k_cache, v_cache, prefix, k_win, v_win), 32, backend=backend)
     assert out.is_contiguous()
 
 
 @gpu
 @needs_kernel
 def test_dispatch_picks_kernel_on_cuda():
+    from compiledllm.attention import packed
+
     inputs = make_inputs(2, 300, 32, 8, 2, 64, dtype=torch.bfloat16, device="cuda", prefix=[10, 300])
     out = packed_attention(*inputs, 8)
-    torch.testing.assert_close(out, packed_attention(*inputs, 8, backend="cupy"), rtol=0, atol=0)
+    first = next(b for b in packed.CUDA_BACKENDS if {"cupy": HAS_CUPY, "triton": HAS_TRITON}[b])
+    torch.testing.assert_close(out, packed_attention(*inputs, 8, backend=first), rtol=0, atol=0)
 
 
 @gpu
 @needs_kernel
-def test_kernel_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_torch_compile_fullgraph(backend):
     inputs = make_inputs(2, 500, 64, 16, 4, 128, dtype=torch.bfloat16, device="cuda", prefix=[100, 500])
 
     def f(q, kc, vc, pl, kw, vw):
-        out, lse = packed_attention(q * 1.0, kc, vc, pl, kw, vw, 32, return_lse=True, backend="cupy")
+        out, lse = packed_attention(q * 1.0, kc, vc, pl, kw, vw, 32, return_lse=True, backend=backend)
         return out.float().sum(-1), lse
 
     eager = f(*inputs)
@@ -203,11 +226,12 @@ def test_kernel_torch_compile_fullgraph():
 
 @gpu
 @needs_kernel
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("B", [1, 8])  # B=1 takes the split-K + combine path, B=8 a single launch
-def test_kernel_cuda_graph_replay(B):
+def test_kernel_cuda_graph_replay(B, backend):
     S, Lq, H, KVH, D, slot = 2048, 64, 16, 4, 128, 32
     static = make_inputs(B, S, Lq, H, KVH, D, dtype=torch.bfloat16, device="cuda", seed=3)
-    run = lambda: packed_attention(*static, slot, return_lse=True, backend="cupy")  # noqa: E731
+    run = lambda: packed_attention(*static, slot, return_lse=True, backend=backend)  # noqa: E731
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -1,7 +1,8 @@
 """Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
 test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
-Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence}
-The interpreter has no bf16 (numpy), so the expert kernels run in fp16 here; bf16 runs on the GPU tests."""
+Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence,attention}
+The interpreter has no bf16 (numpy), so the expert and attention kernels run in fp16 here; bf16 runs on the
+GPU tests."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +10,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from compiledllm.attention.packed import packed_attention_ref
+from compiledllm.attention.triton_packed import TritonTile, packed_attention_triton_launch
 from compiledllm.models import moe_triton
 from compiledllm.models.config import MoEConfig
 from compiledllm.models.layers import MoE
@@ -73,6 +76,27 @@ def confidence_kernel() -> None:
             assert (fused_v[~need] == mask).all() and (fused_p[~need] == -1).all()
 
 
+def attention() -> None:
+    g = torch.Generator().manual_seed(0)
+    # (B, S, Lq, H, KVH, slot, prefix per row, tile, splits): empty / partial / full prefixes, GQA, slots smaller
+    # than the window, row tiles (G * Lq > block_m), window longer than a key tile, split-K with empty splits.
+    cases = [(3, 40, 8, 4, 2, 4, [0, 17, 40], TritonTile(16, 16, 4, 1), 1),
+             (2, 70, 8, 8, 2, 8, [70, 33], TritonTile(16, 16, 4, 1), 3),
+             (2, 50, 24, 2, 1, 8, [50, 5], TritonTile(16, 16, 4, 1), 2),
+             (1, 16, 4, 4, 4, 4, [9], TritonTile(16, 32, 4, 1), 4)]
+    for B, S, Lq, H, KVH, slot, prefix, tile, splits in cases:
+        q = torch.randn(B, Lq, H, 64, generator=g).half()
+        kc, vc = torch.randn(B, S, KVH, 64, generator=g).half(), torch.randn(B, S, KVH, 64, generator=g).half()
+        kw, vw = torch.randn(B, Lq, KVH, 64, generator=g).half(), torch.randn(B, Lq, KVH, 64, generator=g).half()
+        pl = torch.tensor(prefix)
+        out, lse = packed_attention_triton_launch(q, kc, vc, pl, kw, vw, slot, 0.125, True, tile=tile, splits=splits)
+        ref, ref_lse = packed_attention_ref(q.float(), kc.float(), vc.float(), pl, kw.float(), vw.float(), slot,
+                                            0.125, return_lse=True)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (B, S, Lq, H, KVH, slot, prefix, splits, err)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3)
+
+
 if __name__ == "__main__":
-    {"routed": routed, "routing": routing, "confidence": confidence_kernel}[sys.argv[1]]()
+    {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention}[sys.argv[1]]()
     print("ok")

@@ -1,6 +1,7 @@
-"""Benchmark the packed-attention CuPy kernel against FlexAttention and SDPA (dense mask) on one GPU.
+"""Benchmark the packed-attention kernels (CuPy/CUDA "ours" and Triton) against FlexAttention and SDPA (dense
+mask) on one GPU.
 
-Per config (heads, batch B, mean prefix with +-25% per-row variation, q_len, slot) it times the three
+Per config (heads, batch B, mean prefix with +-25% per-row variation, q_len, slot) it times them all
 in the same run, measures the two ceilings (HBM copy bandwidth, bf16 8192^3 matmul rate) and reports
 the ratio to FlexAttention and the fraction of the roofline
     max(visible K/V (+ q/out) bytes / HBM bandwidth, visible FLOPs / matmul rate).
@@ -8,7 +9,7 @@ The K/V live once per config in FlexAttention's layout [B, KVH, S + Lq, D] (pref
 window at the tail [S, S + Lq)); the kernel reads the same memory through transposed views.
 triton.testing.do_bench flushes L2 before every timed call, so small configs are not timed from cache.
 
-    PYTHONPATH=. python tools/bench_attention.py --out bench.json [--sweep] [--quick]
+    PYTHONPATH=. python tools/bench_attention.py --out bench.json [--sweep] [--quick] [--no-baselines]
 """
 import argparse
 import datetime
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from compiledllm.attention.cupy_packed import TILES, default_tile, packed_attention_cuda
+from compiledllm.attention.triton_packed import TRITON_TILES, default_triton_tile, packed_attention_triton_launch
 
 HEADS = [(16, 4), (32, 8)]  # LLaDA2.0-mini, SDAR-8B
 BATCHES = [1, 8, 32, 64]
@@ -145,7 +147,7 @@ def bench_graph(fn, label: str) -> float | None:
     return t
 
 
-def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True) -> dict:
+def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True, triton_tile=None) -> dict:
     """Times are CUDA-graph replays (what the engine runs); *_eager_s adds the host launch path."""
     roof = max(c["bytes"] / ceil["hbm_bytes_per_s"], c["flops"] / ceil["bf16_flops_per_s"])
     scale = D**-0.5
@@ -158,6 +160,14 @@ def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True) 
     r["ours_s"] = bench_graph(ours, "ours") or r["ours_eager_s"]
     r["frac_roofline"] = roof / r["ours_s"]
     r["frac_roofline_eager"] = roof / r["ours_eager_s"]
+    rows = c["H"] // c["KVH"] * c["Lq"]
+    tt = triton_tile or default_triton_tile(rows)
+    tri = lambda: packed_attention_triton_launch(*c["ours_args"], c["slot"], scale, False, tile=tt)  # noqa: E731
+    r["triton_tile"] = [k for k, v in TRITON_TILES.items() if v == tt][0]
+    r["err_triton_vs_ours"] = ((tri()[0].float() - out.float()).norm() / out.float().norm()).item()
+    r["triton_s"] = bench_graph(tri, "triton") or bench(tri)
+    r["triton_frac_roofline"] = roof / r["triton_s"]
+    r["triton_speedup_vs_ours"] = r["ours_s"] / r["triton_s"]
     if not with_baselines:
         return r
     bm = block_mask_for(c)
@@ -183,14 +193,15 @@ def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True) 
     return r
 
 
-def grid(quick: bool):
+def grid(quick: bool, batches=BATCHES, prefixes=PREFIXES, qlens=QLENS, w2=True):
     for H, KVH in HEADS:
-        for B in BATCHES[:2] if quick else BATCHES:
-            for prefix in PREFIXES[:2] if quick else PREFIXES:
-                for Lq in QLENS:
+        for B in batches[:2] if quick else batches:
+            for prefix in prefixes[:2] if quick else prefixes:
+                for Lq in qlens:
                     yield H, KVH, B, prefix, Lq, Lq  # W = 1: slot = q_len
-    for B, prefix in [(8, 4096), (32, 16384)]:  # a few W = 2 points (FlowBlock's default)
-        yield 16, 4, B, prefix, 64, 32
+    if w2:
+        for B, prefix in [(8, 4096), (32, 16384)]:  # a few W = 2 points (FlowBlock's default)
+            yield 16, 4, B, prefix, 64, 32
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -209,26 +220,37 @@ def summarize(rows: list[dict]) -> dict:
         "big_memory_bound_at_40pct": f"{sum(r['frac_roofline'] >= 0.4 for r in big if r['bound'] == 'memory')}/"
                                      f"{sum(r['bound'] == 'memory' for r in big)}",
         "max_err_vs_flex": max((r["err_vs_flex"] for r in rows if "err_vs_flex" in r), default=None),
+        "triton_median_frac_roofline": statistics.median(r["triton_frac_roofline"] for r in rows),
+        "triton_big_median_frac_roofline": statistics.median(r["triton_frac_roofline"] for r in big) if big else None,
+        "triton_median_speedup_vs_ours": statistics.median(r["triton_speedup_vs_ours"] for r in rows),
+        "triton_max_err_vs_ours": max(r["err_triton_vs_ours"] for r in rows),
     }
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'H/KVH':6s} {'B':>3s} {'pref':>6s} {'Lq':>3s} {'bl':>3s} {'ours us':>8s} {'eager':>8s} {'flex us':>8s} "
-          f"{'sdpa us':>8s} {'xFlex':>6s} {'roof%':>6s} {'bound':>5s}")
+          f"{'sdpa us':>8s} {'xFlex':>6s} {'roof%':>6s} {'bound':>5s} {'triton':>8s} {'roof%':>6s}")
     for r in rows:
         fmt = lambda k: f"{r[k] * 1e6:8.1f}" if k in r else f"{'-':>8s}"  # noqa: E731
         sp = f"{r['speedup_vs_flex']:6.2f}" if "speedup_vs_flex" in r else f"{'-':>6s}"
         print(f"{r['H']:>2d}/{r['KVH']:<3d} {r['B']:3d} {r['prefix']:6d} {r['Lq']:3d} {r['slot']:3d} "
               f"{fmt('ours_s')} {fmt('ours_eager_s')} {fmt('flex_s')} {fmt('sdpa_s')} {sp} "
-              f"{100 * r['frac_roofline']:6.1f} {r['bound'][:3]:>5s}")
+              f"{100 * r['frac_roofline']:6.1f} {r['bound'][:3]:>5s} {fmt('triton_s')} "
+              f"{100 * r['triton_frac_roofline']:6.1f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="a quarter of the grid")
-    ap.add_argument("--sweep", action="store_true", help="also time every kernel tile on a sub-grid")
+    ap.add_argument("--sweep", action="store_true", help="also time every Triton tile on a sub-grid (CUDA default tile beside)")
     ap.add_argument("--tile", choices=list(TILES), help="force one tile instead of the default choice")
+    ap.add_argument("--triton-tile", choices=list(TRITON_TILES), help="force one Triton tile")
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    ap.add_argument("--batches", type=ints, help="override the grid's batch sizes, e.g. 8,32,64")
+    ap.add_argument("--prefixes", type=ints, help="override the grid's mean prefixes, e.g. 4096,32768")
+    ap.add_argument("--qlens", type=ints, help="override the grid's q_len values (W = 2 points dropped)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip FlexAttention and SDPA (kernels only)")
     ap.add_argument("--budget-s", type=float, default=230.0, help="start no new config after this many seconds")
     args = ap.parse_args()
     t0 = time.time()
@@ -257,26 +279,31 @@ def main() -> None:
         for H, KVH in HEADS:
             for B, prefix, Lq in [(8, 4096, 32), (8, 16384, 64), (32, 4096, 64), (32, 16384, 32), (64, 32768, 64)]:
                 c = make_case(pool, H, KVH, B, prefix, Lq, Lq, seed=B * prefix + Lq)
-                for name, t in TILES.items():
-                    r = run_config(c, ceil, flex, tile=t, with_baselines=False)  # graph-replay times
-                    r["tile"] = name
+                for name, t in TRITON_TILES.items():  # each Triton tile, with the default CUDA tile beside it
+                    r = run_config(c, ceil, flex, with_baselines=False, triton_tile=t)  # graph-replay times
                     sweep.append(r)
-        print("tile sweep (fraction of roofline):", flush=True)
-        for name in TILES:
-            fr = [r["frac_roofline"] for r in sweep if r["tile"] == name]
-            print(f"  {name:5s} median {statistics.median(fr):.3f}  min {min(fr):.3f}  max {max(fr):.3f}", flush=True)
+        print("Triton tile sweep (fraction of roofline; CUDA default tile in the same configs):", flush=True)
+        for name in TRITON_TILES:
+            sel = [r for r in sweep if r["triton_tile"] == name]
+            fr = [r["triton_frac_roofline"] for r in sel]
+            print(f"  {name:9s} median {statistics.median(fr):.3f}  min {min(fr):.3f}  max {max(fr):.3f}  "
+                  f"(cuda {statistics.median(r['frac_roofline'] for r in sel):.3f})", flush=True)
         save()
-    for H, KVH, B, prefix, Lq, slot in grid(args.quick):
+    custom = args.batches or args.prefixes or args.qlens
+    for H, KVH, B, prefix, Lq, slot in grid(args.quick, args.batches or BATCHES, args.prefixes or PREFIXES,
+                                           args.qlens or QLENS, w2=not custom):
         if time.time() - t0 > args.budget_s:
             result["skipped_for_time"].append([H, KVH, B, prefix, Lq, slot])
             continue
         c = make_case(pool, H, KVH, B, prefix, Lq, slot, seed=B * prefix + Lq + slot)
         t1 = time.time()
         try:
-            rows.append(run_config(c, ceil, flex, tile=tile))
+            rows.append(run_config(c, ceil, flex, tile=tile, with_baselines=not args.no_baselines,
+                                   triton_tile=TRITON_TILES[args.triton_tile] if args.triton_tile else None))
             r = rows[-1]
             print(f"H{H} B{B} P{prefix} L{Lq} bl{slot}: ours {r['ours_s'] * 1e6:.1f} us, "
-                  f"x{r.get('speedup_vs_flex', float('nan')):.2f} vs flex, {100 * r['frac_roofline']:.1f}% roof "
+                  f"x{r.get('speedup_vs_flex', float('nan')):.2f} vs flex, {100 * r['frac_roofline']:.1f}% roof; "
+                  f"triton {r['triton_s'] * 1e6:.1f} us {100 * r['triton_frac_roofline']:.1f}% roof "
                   f"({time.time() - t1:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - keep the rest of the grid
             print(f"config H{H} B{B} P{prefix} L{Lq} failed: {type(e).__name__}: {e}", flush=True)

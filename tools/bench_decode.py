@@ -22,6 +22,7 @@ import torch
 from gpu_timing import ceilings, graph_ms, time_ms
 
 from compiledllm.attention.metadata import WindowAttention
+from compiledllm.attention import packed
 from compiledllm.attention.packed import packed_attention
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import block_logits, decode_step
@@ -161,7 +162,7 @@ def step_split(model, policy, st, kv, idx) -> dict:
     return out
 
 
-def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=False) -> dict:
+def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=False, attn_ab=False) -> dict:
     rec = {"batch": batch, "context": context}
     st, kv = synthetic_state(model, policy, batch, context)
     idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
@@ -184,6 +185,14 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
             del stepper
             for m in moe_layers(model):
                 m.backend = "auto"
+        if attn_ab and "graphs" in modes:  # each packed-attention kernel in the same run
+            auto = packed.CUDA_BACKENDS
+            for name in ("cupy", "triton"):
+                packed.CUDA_BACKENDS = (name,)
+                stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
+                rec[f"graphs_attn_{name}_ms"] = time_ms(lambda: stepper.run(batch), 20)
+                del stepper
+            packed.CUDA_BACKENDS = auto
         if split:
             rec["split"] = step_split(model, policy, st, kv, idx)
         touched = touched_experts(model, st, idx, kv) if moe_layers(model) else None
@@ -218,6 +227,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/bench_decode.json")
     ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
     ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
+    ap.add_argument("--attn-ab", action="store_true", help="also run the CUDA-graph step with each attention kernel")
     args = ap.parse_args()
     modes = args.modes.split(",")
     ceil = ceilings()
@@ -235,7 +245,7 @@ def main() -> None:
             batches = sorted({b for b in (fit if x == "max" else int(x) for x in args.batches.split(",")) if b <= fit})
             for batch in batches:
                 try:
-                    rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab)
+                    rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab, args.attn_ab)
                 except torch.OutOfMemoryError as e:
                     rec = {"batch": batch, "context": context, "error": f"OOM: {str(e).splitlines()[0]}"}
                     torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 # One device call: GPU tests, the quickstart on CUDA, then the benchmarks. Writes under $OUT.
 # Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/gpu_session.sh
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
-# steps at batch >= 32, ~100-130 s of compile per point) and kernels (tools/kernel_table.py, eager vs compiled)
+# steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
+# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -17,6 +18,13 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 if has tests; then
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if has attention; then
+  timeout ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_packed_attention.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/attention_tests.log" | tail -6
+  timeout ${ATTN_TIMEOUT:-200} python3 tools/bench_attention.py --out "$OUT/bench_attention_h200.json" \
+    ${ATTN_ARGS:---batches 8,32,64 --prefixes 4096,32768 --qlens 32 --no-baselines --sweep --budget-s 120} 2>&1 \
+    | grep -v -i warn | tee "$OUT/bench_attention.log" | tail -25
 fi
 if has quickstart; then
   for g in false true; do

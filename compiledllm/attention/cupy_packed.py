@@ -15,11 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiledllm.attention.launch import Workspace, check_inputs, num_splits
+
 _SOURCE = Path(__file__).with_name("kernels") / "packed_attention.cu"
-_MAX_SPLITS = 64
-_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -91,17 +89,6 @@ def _kernels(device_index: int, bf16: bool, head_dim: int, tile: Tile) -> _Kerne
     return _Kernels(fwd, combine, per_sm, props.multi_processor_count)
 
 
-@functools.lru_cache(maxsize=1024)
-def _num_splits(n_ctas: int, cache_len: int, slots: int) -> int:
-    """Flash-decoding split count: fill the GPU's CTA slots, each split keeping >= _MIN_KEYS_PER_SPLIT."""
-    max_splits = max(1, min(_MAX_SPLITS, cache_len // _MIN_KEYS_PER_SPLIT))
-    if n_ctas >= slots or max_splits == 1:
-        return 1
-    eff = [n_ctas * s / slots / math.ceil(n_ctas * s / slots) for s in range(1, max_splits + 1)]
-    best = max(eff)
-    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
-
-
 class _StreamHandle:
     """A raw cudaStream_t speaking the CUDA stream protocol (what cupy.cuda.Stream.from_external takes)."""
 
@@ -121,20 +108,6 @@ def _cupy_stream(handle: int):
     return cupy.cuda.ExternalStream(handle)
 
 
-class _Workspace:
-    """Per-device fp32 split-K partials; grows on demand, so steady-state calls allocate nothing."""
-
-    buffers: dict = {}  # device index -> flat float32 tensor (the only state besides the kernel cache)
-
-    @classmethod
-    def get(cls, device: torch.device, numel: int) -> torch.Tensor:
-        buf = cls.buffers.get(device.index)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-            cls.buffers[device.index] = buf
-        return buf[:numel]
-
-
 def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """The tensor in a layout the kernel's 16-byte cp.async loads take (last dim contiguous, rows
     16-byte aligned; else a contiguous copy) and its (batch, token, head) element strides."""
@@ -150,19 +123,6 @@ def _scalars(B: int, Lq: int, H: int, KVH: int, S: int, slot: int, ns: int, scal
     """The kernel's 32-bit scalar arguments (cached: building numpy scalars per call costs microseconds)."""
     ints = tuple(np.int32(x) for x in (B, Lq, H, KVH, S, slot, ns))
     return ints + (np.float32(scale * math.log2(math.e)),)
-
-
-def check_inputs(q, k_cache, v_cache, prefix_len, k_win, v_win) -> None:
-    B, Lq, H, D = q.shape
-    if q.dtype not in SUPPORTED_DTYPES or D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"packed attention kernel: dtype {q.dtype} / head dim {D} not supported")
-    kc, kw = k_cache.shape, k_win.shape
-    if kc != v_cache.shape or kw != v_win.shape or kc[0] != B or kc[3] != D or kw != (B, Lq, kc[2], D) or H % kc[2]:
-        raise ValueError(f"packed attention kernel: bad K/V shapes {tuple(kc)} / {tuple(kw)} for q {tuple(q.shape)}")
-    if any(t.dtype != q.dtype for t in (k_cache, v_cache, k_win, v_win)):
-        raise ValueError("packed attention kernel: q, caches and window K/V must share one dtype")
-    if prefix_len.shape != (B,) or prefix_len.dtype not in (torch.int32, torch.int64):
-        raise ValueError("packed attention kernel: prefix_len must be an int32/int64 tensor of shape [B]")
 
 
 def packed_attention_cuda(
@@ -195,11 +155,11 @@ def packed_attention_cuda(
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     ks = _kernels(dev, q.dtype == torch.bfloat16, D, tile)
     row_tiles = -(-rows // tile.rows)
-    ns = splits or _num_splits(row_tiles * B * KVH, S, ks.num_sms * ks.ctas_per_sm)
+    ns = splits or num_splits(row_tiles * B * KVH, S, ks.num_sms * ks.ctas_per_sm)
     ws_o = ws_lse = 0
     if ns > 1:
         n_rows = B * Lq * H
-        ws = _Workspace.get(q.device, ns * n_rows * (D + 1))
+        ws = Workspace.get(q.device, ns * n_rows * (D + 1))
         ws_o, ws_lse = ws.data_ptr(), ws[ns * n_rows * D :].data_ptr()
     scalars = _scalars(B, Lq, H, KVH, S, slot, ns, scale)
     args = (

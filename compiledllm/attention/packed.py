@@ -23,10 +23,15 @@ import warnings
 
 import torch
 
-from compiledllm.attention import cupy_packed  # registers torch.ops.compiledllm.packed_attention
+from compiledllm.attention import cupy_packed  # noqa: F401  (registers torch.ops.compiledllm.packed_attention)
+from compiledllm.attention import triton_packed  # noqa: F401  (registers ...packed_attention_triton)
+from compiledllm.attention.launch import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from compiledllm.triton_support import triton_on_cuda
 
 # Whether the CuPy kernel can be used at all (the optional extra compiledllm[cupy-cuda13]).
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
+# The kernels auto dispatch tries on CUDA, first usable wins.
+CUDA_BACKENDS = ("cupy", "triton")
 _REF_CHUNK_BYTES = 256 << 20  # float32 scores + K/V of one batch chunk in the reference
 
 
@@ -93,21 +98,32 @@ def packed_attention_ref(
 @functools.cache
 def _warn_no_cupy() -> None:
     warnings.warn(
-        "compiledllm: CUDA tensors but CuPy is not installed: install compiledllm[cupy-cuda13] "
-        "for the fast kernel; using the slower torch reference for packed attention",
+        "compiledllm: CUDA tensors but neither Triton nor CuPy is installed (install compiledllm[cupy-cuda13]); "
+        "using the slower torch reference for packed attention",
         RuntimeWarning,
         stacklevel=3,
     )
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the CuPy kernel covers these inputs (else the reference runs)."""
+    """Whether the kernels (CuPy and Triton) cover these inputs (else the reference runs)."""
     return (
         q.is_cuda
-        and q.dtype in cupy_packed.SUPPORTED_DTYPES
-        and q.shape[-1] in cupy_packed.SUPPORTED_HEAD_DIMS
+        and q.dtype in SUPPORTED_DTYPES
+        and q.shape[-1] in SUPPORTED_HEAD_DIMS
         and q.shape[2] % k_cache.shape[2] == 0
     )
+
+
+def _auto_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    if not q.is_cuda or not kernel_supports(q, k_cache):
+        return "torch"
+    usable = {"cupy": HAS_CUPY, "triton": triton_on_cuda()}
+    for name in CUDA_BACKENDS:
+        if usable[name]:
+            return name
+    _warn_no_cupy()
+    return "torch"
 
 
 def packed_attention(
@@ -122,23 +138,17 @@ def packed_attention(
     return_lse: bool = False,
     backend: str | None = None,
 ):
-    """Dispatch: the CuPy kernel on CUDA when available, the torch reference elsewhere.
+    """Dispatch: a kernel on CUDA (CUDA_BACKENDS order, among those installed), the torch reference elsewhere.
 
-    backend: None (auto), "cupy" (force the kernel) or "torch" (force the reference).
+    backend: None (auto), "cupy" or "triton" (force that kernel) or "torch" (force the reference).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend is None:
-        backend = "torch"
-        if q.is_cuda:
-            if not HAS_CUPY:
-                _warn_no_cupy()
-            elif kernel_supports(q, k_cache):
-                backend = "cupy"
-    if backend == "cupy":
-        out, lse = torch.ops.compiledllm.packed_attention(
-            q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse
-        )
+        backend = _auto_backend(q, k_cache)
+    if backend in ("cupy", "triton"):
+        op = torch.ops.compiledllm.packed_attention if backend == "cupy" else torch.ops.compiledllm.packed_attention_triton
+        out, lse = op(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse)
         return (out, lse) if return_lse else out
     if backend != "torch":
-        raise ValueError(f"unknown packed attention backend {backend!r} (use None, 'cupy' or 'torch')")
+        raise ValueError(f"unknown packed attention backend {backend!r} (use None, 'cupy', 'triton' or 'torch')")
     return packed_attention_ref(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse)

@@ -1,0 +1,126 @@
+"""The packed-attention contract (packed.py) as Triton kernels: imported only where Triton is.
+
+Same decomposition as the CUDA kernel (kernels/packed_attention.cu): one program owns BM query rows of
+ONE (batch row, KV head), rows (query i, group head g) i-major, so the G heads of a KV head share every
+K/V tile; the prefix is split over grid axis 2 (flash-decoding) with the window on the last split. The
+difference is the matrix unit: tl.dot lowers to Hopper's wgmma (asynchronous, fed from shared memory),
+where the CUDA kernel's mma.sync tops out near half the rate this shape needs to be bound by HBM
+(G * Lq = 128 rows per key: ~128 FLOP per K/V byte).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _update(q, k, v, seen, m_i, l_i, acc, scale_log2):
+    """One K/V tile into the online softmax (log2 domain); seen [BM, BN] masks scores out."""
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep the exps at 0
+    alpha = tl.exp2(m_i - base)
+    p = tl.exp2(s - base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_ptr, ws_o_ptr, ws_l_ptr,
+                    q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
+                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, S, n_out_rows, scale_log2,
+                    LQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, SLOT: tl.constexpr,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
+                    WRITE_LSE: tl.constexpr):
+    G: tl.constexpr = H // KVH
+    ROWS: tl.constexpr = G * LQ
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // KVH
+    kvh = bh % KVH
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = r < ROWS
+    i = r // G
+    hq = kvh * G + r % G
+    d = tl.arange(0, D)
+    n = tl.arange(0, BN)
+    q = tl.load(q_ptr + b * q_sb + i[:, None] * q_st + hq[:, None] * q_sh + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    ob = tl.minimum(tl.maximum(tl.load(pl_ptr + b).to(tl.int32), 0), S)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+
+    # This split's share of the prefix, in whole tiles, proportional to the row's own o_b.
+    ntp = tl.cdiv(ob, BN)
+    per = tl.cdiv(ntp, NSPLIT)
+    t_lo = tl.minimum(ntp, split * per)
+    t_hi = tl.minimum(ntp, t_lo + per)
+    kb = kc_ptr + b * kc_sb + kvh * kc_sh
+    vb = vc_ptr + b * vc_sb + kvh * vc_sh
+    for t in range(t_lo, t_hi):
+        keys = t * BN + n
+        live = keys < ob
+        k = tl.load(kb + keys[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(vb + keys[:, None] * vc_st + d[None, :], mask=live[:, None], other=0.0)
+        m_i, l_i, acc = _update(q, k, v, live[None, :] & row_ok[:, None], m_i, l_i, acc, scale_log2)
+
+    if split == NSPLIT - 1:  # the window: up to the end of the last slot a row here can see
+        i_max = (tl.minimum(tl.program_id(0) * BM + BM, ROWS) - 1) // G
+        n_win = tl.minimum(LQ, (i_max // SLOT + 1) * SLOT)
+        kwb = kw_ptr + b * kw_sb + kvh * kw_sh
+        vwb = vw_ptr + b * vw_sb + kvh * vw_sh
+        for w0 in range(0, n_win, BN):
+            keys = w0 + n
+            live = keys < n_win
+            k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(vwb + keys[:, None] * vw_st + d[None, :], mask=live[:, None], other=0.0)
+            seen = live[None, :] & ((keys[None, :] // SLOT) <= (i[:, None] // SLOT)) & row_ok[:, None]
+            m_i, l_i, acc = _update(q, k, v, seen, m_i, l_i, acc, scale_log2)
+
+    inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+    orow = (b * LQ + i) * H + hq  # [B, Lq, H] row of out
+    lrow = (b * H + hq) * LQ + i  # [B, H, Lq] entry of lse
+    o = acc * inv[:, None]
+    if NSPLIT == 1:
+        tl.store(out_ptr + orow[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            tl.store(lse_ptr + lrow, lse, mask=row_ok)
+    else:
+        tl.store(ws_o_ptr + (split * n_out_rows + orow[:, None]) * D + d[None, :], o, mask=row_ok[:, None])
+        tl.store(ws_l_ptr + split * n_out_rows + lrow, lse, mask=row_ok)
+
+
+@triton.jit
+def packed_attn_combine(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, n_out_rows, LQ: tl.constexpr, H: tl.constexpr,
+                        D: tl.constexpr, NSPLIT: tl.constexpr, RB: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Merge the splits' normalised partials by their lse: RB output rows (b, i, h) per program."""
+    row = tl.program_id(0) * RB + tl.arange(0, RB)
+    ok = row < n_out_rows
+    h = row % H
+    i = (row // H) % LQ
+    b = row // (H * LQ)
+    lrow = (b * H + h) * LQ + i
+    d = tl.arange(0, D)
+    mx = tl.full([RB], float("-inf"), tl.float32)
+    for s in range(NSPLIT):
+        mx = tl.maximum(mx, tl.load(ws_l_ptr + s * n_out_rows + lrow, mask=ok, other=float("-inf")))
+    base = tl.where(mx == float("-inf"), 0.0, mx)
+    acc = tl.zeros([RB, D], tl.float32)
+    wsum = tl.zeros([RB], tl.float32)
+    for s in range(NSPLIT):
+        w = tl.exp2((tl.load(ws_l_ptr + s * n_out_rows + lrow, mask=ok, other=float("-inf")) - base)
+                    * 1.4426950408889634)
+        wsum += w
+        acc += w[:, None] * tl.load(ws_o_ptr + (s * n_out_rows + row[:, None]) * D + d[None, :], mask=ok[:, None],
+                                    other=0.0)
+    inv = tl.where(wsum > 0.0, 1.0 / wsum, 0.0)
+    tl.store(out_ptr + row[:, None] * D + d[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok[:, None])
+    if WRITE_LSE:
+        tl.store(lse_ptr + lrow, tl.where(wsum > 0.0, base + tl.log2(wsum) * 0.6931471805599453, float("-inf")),
+                 mask=ok)
