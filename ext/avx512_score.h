@@ -1,7 +1,8 @@
 // AVX-512 scoring of a 16-key tile against R query rows (part of backend_avx512.cpp, included
 // inside its namespace and target region). Two schemes: few rows reduce per-key lane sums; many
-// rows transpose the tile so lanes are keys. Two forms of the bf16 dot product, same bits:
-// VDPBF16PS, or FMA on bf16 widened by shift/mask (faster where VDPBF16PS is slow).
+// rows transpose the tile so lanes are keys. Forms of the bf16 dot product, same bits: VDPBF16PS,
+// FMA on bf16 widened by shift/mask (faster where VDPBF16PS is slow), and for many rows AMX
+// (amx_score.h).
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -172,7 +173,7 @@ static inline void score_rows_tf(const __m512* kf, const float* qf, float c, flo
   for (int i = 0; i < NR; ++i) _mm512_storeu_ps(s + i * kTile, _mm512_mul_ps(a[i], vc));
 }
 
-template <int DC, bool DP>
+template <int DC, int FORM>
 static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const Queries& q, int R, float c, float* s,
                                   void* tmp, const Prefetch& pf, const Prefetch& pv) {
   constexpr int P = DC * 16, D = DC * 32;
@@ -186,7 +187,9 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const Qu
     transpose16(r);
     for (int x = 0; x < 16; ++x) {
       const int pp = blk * 16 + x;
-      if (DP) {
+      if (FORM == kAmx) {
+        _mm512_store_si512(kt + pp, r[x]);  // TDPBF16PS's B operand as it is
+      } else if (FORM == kVdpbf16ps) {
         _mm512_store_si512(kt + pp, _mm512_rol_epi32(r[x], 16));
       } else {
         _mm512_store_ps(kf + 2 * pp, bf_even(r[x]));
@@ -195,7 +198,9 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const Qu
     }
   }
   int r0 = 0;
-  if (DP) {
+  if (FORM == kAmx) {
+    score_rows_amx<DC>(reinterpret_cast<const uint32_t*>(kt), q.q, R, c, s);
+  } else if (FORM == kVdpbf16ps) {
     for (; r0 + 8 <= R; r0 += 8) score_rows_t<8, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
     for (; r0 + 4 <= R; r0 += 4) score_rows_t<4, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
     for (; r0 < R; ++r0) score_rows_t<1, P>(kt, q.qr + r0 * P, c, s + r0 * kTile);
@@ -207,37 +212,36 @@ static void score_tile_transposed(const uint16_t* k, int64_t ks, int n, const Qu
   }
 }
 
-template <int DC, bool DP>
+template <int DC, int FORM>
 static inline void score_tile_dc_any(const uint16_t* k, int64_t ks, int n, const Queries& q, int R, float c, float* s,
                                      void* tmp, const Prefetch& pf, const Prefetch& pv) {
   if (R >= kTransposeMinRows)
-    score_tile_transposed<DC, DP>(k, ks, n, q, R, c, s, tmp, pf, pv);
-  else
-    score_tile_dc<DC, DP>(k, ks, n, q.q, q.qf, R, c, s, static_cast<__m512*>(tmp), pf, pv);
+    score_tile_transposed<DC, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv);
+  else  // few rows never use AMX (dot_form(false) is FMA or VDPBF16PS)
+    score_tile_dc<DC, FORM == kVdpbf16ps>(k, ks, n, q.q, q.qf, R, c, s, static_cast<__m512*>(tmp), pf, pv);
 }
 
-// Which form computes the dot products: VDPBF16PS where it is fast, FMA otherwise (same bits).
-static bool use_dp();
-
-template <bool DP>
-static void score_tile_isa(const uint16_t* k, int64_t ks, int n, int D, const Queries& q, int R, float c, float* s,
-                           void* tmp, const Prefetch& pf, const Prefetch& pv) {
+template <int FORM>
+static void score_tile_form(const uint16_t* k, int64_t ks, int n, int D, const Queries& q, int R, float c, float* s,
+                            void* tmp, const Prefetch& pf, const Prefetch& pv) {
   switch (D / 32) {
-    case 1: score_tile_dc_any<1, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 2: score_tile_dc_any<2, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 3: score_tile_dc_any<3, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 4: score_tile_dc_any<4, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 5: score_tile_dc_any<5, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 6: score_tile_dc_any<6, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    case 7: score_tile_dc_any<7, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
-    default: score_tile_dc_any<8, DP>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 1: score_tile_dc_any<1, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 2: score_tile_dc_any<2, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 3: score_tile_dc_any<3, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 4: score_tile_dc_any<4, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 5: score_tile_dc_any<5, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 6: score_tile_dc_any<6, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    case 7: score_tile_dc_any<7, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
+    default: score_tile_dc_any<8, FORM>(k, ks, n, q, R, c, s, tmp, pf, pv); break;
   }
 }
 
+// The forms of the call in progress (g_form_few / g_form_many, set under the backend's lock).
 static void score_tile(const uint16_t* k, int64_t ks, int n, int D, const Queries& q, int R, float c, float* s,
                        void* tmp, const Prefetch& pf, const Prefetch& pv) {
-  if (use_dp())
-    score_tile_isa<true>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
-  else
-    score_tile_isa<false>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
+  switch (R >= kTransposeMinRows ? g_form_many : g_form_few) {
+    case kAmx: return score_tile_form<kAmx>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
+    case kVdpbf16ps: return score_tile_form<kVdpbf16ps>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
+    default: return score_tile_form<kFma>(k, ks, n, D, q, R, c, s, tmp, pf, pv);
+  }
 }

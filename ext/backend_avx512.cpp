@@ -1,6 +1,6 @@
-// AVX-512-BF16 path: scores with VDPBF16PS over a transposed 16-key tile (lanes = keys), so one
-// tile yields a 16-score vector per query row; values accumulate with float32 FMAs; gather uses
-// streaming stores. Built with a target pragma so the rest of the package needs no -mavx512 flags.
+// AVX-512-BF16 path: scores by FMA, VDPBF16PS or (many rows, where the start-up self-check passes)
+// AMX tiles; values accumulate with float32 FMAs; gather uses streaming stores. Built with target
+// pragmas so the rest of the package needs no -mavx512 / -mamx flags.
 #include <omp.h>
 
 #include <algorithm>
@@ -9,17 +9,23 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <new>
+#include <string>
 #include <vector>
 
+#include "amx_os.h"
 #include "cpu_select.h"
 #include "select_plan.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CLLM_HAVE_AVX512 1
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define CLLM_HAVE_AMX 1  // the AMX intrinsics exist (they run only where amx_status() allows)
+#endif
 #if defined(__GNUC__) && !defined(__clang__)  // GCC 12's _mm512_undefined_* trip these
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -72,6 +78,34 @@ static inline V vexp2_rel(V xin, float m) {
   const __mmask16 ok = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
   return {_mm512_maskz_scalef_ps(ok, y, d)};  // y * 2^d is normal here, so exact
 }
+
+#ifdef CLLM_HAVE_AMX
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")
+#endif
+#include "amx_score.h"
+#include "amx_selfcheck.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else  // never called: amx_status() reports the path as not compiled
+static void amx_enter() {}
+static void amx_leave() {}
+template <int DC>
+static void score_rows_amx(const uint32_t*, const uint16_t*, int, float, float*) {}
+static double amx_probe(int64_t, int) { return 0.0; }
+static std::string amx_selfcheck(bool& passed) { return passed = false, ""; }
+#endif
+
+namespace {
+int g_form_few = kFma, g_form_many = kFma;  // the DotForms of the select() call in progress (under g_mu)
+}  // namespace
 
 #include "avx512_score.h"
 
@@ -164,6 +198,12 @@ static inline void copy_row(uint16_t* dst, const uint16_t* src, int64_t bytes) {
 }
 static inline void zero_row(uint16_t* dst, int64_t bytes) { std::memset(dst, 0, bytes); }
 static inline void store_fence() { _mm_sfence(); }
+static void thread_enter(int64_t R) {  // tile state is per thread
+  if (R >= kTransposeMinRows && g_form_many == kAmx) amx_enter();
+}
+static void thread_leave(int64_t R) {
+  if (R >= kTransposeMinRows && g_form_many == kAmx) amx_leave();
+}
 
 #include "select_kernel.h"
 
@@ -175,9 +215,17 @@ Arena g_scores, g_states, g_hists;
 bool compiled() { return true; }
 
 void select(const SelectArgs& a) {
-  use_dp();  // calibrate outside the parallel region
+  const int few = dot_form(false), many = dot_form(true);  // calibrate outside the parallel region
   std::lock_guard<std::mutex> lock(g_mu);
+  g_form_few = few, g_form_many = many;
   run_select(a, g_scores, g_states, g_hists);
+}
+
+void score_probe(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s, int form) {
+  const int few = form == kAmx ? dot_form(false) : form;
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_form_few = few, g_form_many = form;
+  probe_tile(k, ks, n, D, q, R, c, s);
 }
 
 void gather(const GatherArgs& a) { run_gather(a); }
@@ -205,6 +253,7 @@ uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads) {
 // Peak-rate probe: 12 independent accumulator chains per thread (VDPBF16PS or FMA), for the report.
 double compute_probe(int kind, int64_t iters, int threads) {
   const int T = threads > 0 ? threads : omp_get_max_threads();
+  if (kind == 2) return amx_probe(iters, T);
   const double t0 = omp_get_wtime();
   float sink = 0.f;
 #pragma omp parallel num_threads(T) reduction(+ : sink)
@@ -230,20 +279,48 @@ double compute_probe(int kind, int64_t iters, int threads) {
 }
 
 namespace {
-std::atomic<int> g_dot_mode{-1};  // -1 auto (measured once), 0 FMA form, 1 VDPBF16PS
+std::atomic<int> g_dot_mode{-1};  // -1 auto, else a DotForm
 }  // namespace
 
-static bool use_dp() {
-  static const bool measured = [] {  // per multiply-add: VDPBF16PS does 32, the FMA form 16 + conversions
+static bool measured_dp() {  // per multiply-add: VDPBF16PS does 32, the FMA form 16 + conversions
+  static const bool dp = [] {
     const double t_dp = compute_probe(0, 20000, 1), t_fma = compute_probe(1, 20000, 1);
     return 32.0 / t_dp > 1.25 * 16.0 / t_fma;
   }();
-  const int mode = g_dot_mode.load(std::memory_order_relaxed);
-  return mode < 0 ? measured : mode == 1;
+  return dp;
 }
 
-void set_dot(int mode) { g_dot_mode.store(mode < 0 ? -1 : (mode ? 1 : 0)); }
-bool dot_is_dp() { return use_dp(); }
+int dot_form(bool many_rows) {
+  const int mode = g_dot_mode.load(std::memory_order_relaxed);
+  if (mode == kFma || mode == kVdpbf16ps) return mode;
+  if (many_rows && amx_status().passed) return kAmx;  // auto, or kAmx (set only when it passed)
+  return measured_dp() ? kVdpbf16ps : kFma;
+}
+
+void set_dot(int mode) { g_dot_mode.store(mode < 0 || mode > kAmx ? -1 : mode); }
+
+const AmxStatus& amx_status() {
+  static const AmxStatus st = [] {
+    AmxStatus s;
+    const AmxSupport& sup = amx_support();
+#ifdef CLLM_HAVE_AMX
+    s.compiled = true;
+#endif
+    s.cpu = sup.cpu, s.os = sup.os;
+    if (!s.compiled) {
+      s.reason = "built without the AMX intrinsics (GCC >= 11 or clang >= 12 needed)";
+    } else if (!s.os) {
+      s.reason = sup.reason;
+    } else {
+      s.checked = true;
+      s.selfcheck = amx_selfcheck(s.passed);
+      if (!s.passed) s.reason = "self-check failed: " + s.selfcheck;
+    }
+    if (!s.checked) s.selfcheck = "not run: " + s.reason;
+    return s;
+  }();
+  return st;
+}
 
 }  // namespace avx512
 }  // namespace cllm
@@ -264,7 +341,17 @@ void gather(const GatherArgs&) {}
 uint64_t read_probe(const uint8_t*, int64_t, int) { return 0; }
 double compute_probe(int, int64_t, int) { return 0.0; }
 void set_dot(int) {}
-bool dot_is_dp() { return false; }
+int dot_form(bool) { return kFma; }
+const AmxStatus& amx_status() {
+  static const AmxStatus s = [] {
+    AmxStatus x;
+    x.reason = "no AVX-512 path in this build";
+    x.selfcheck = "not run: " + x.reason;
+    return x;
+  }();
+  return s;
+}
+void score_probe(const uint16_t*, int64_t, int, int, const uint16_t*, int, float, float*, int) {}
 }  // namespace avx512
 }  // namespace cllm
 

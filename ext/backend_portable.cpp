@@ -171,6 +171,8 @@ static inline void gather_prefetch(const uint16_t*, int64_t) {}
 static inline void copy_row(uint16_t* dst, const uint16_t* src, int64_t bytes) { std::memcpy(dst, src, bytes); }
 static inline void zero_row(uint16_t* dst, int64_t bytes) { std::memset(dst, 0, bytes); }
 static inline void store_fence() {}
+static inline void thread_enter(int64_t) {}
+static inline void thread_leave(int64_t) {}
 
 #include "select_kernel.h"
 
@@ -185,6 +187,10 @@ void select(const SelectArgs& a) {
 }
 
 void gather(const GatherArgs& a) { run_gather(a); }
+
+void score_probe(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s) {
+  probe_tile(k, ks, n, D, q, R, c, s);
+}
 
 uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads) {
   const int T = threads > 0 ? threads : omp_get_max_threads();

@@ -19,6 +19,7 @@
 // Results do not depend on the thread count, and both dispatch paths give the same idx and lse.
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace cllm {
 
@@ -59,18 +60,35 @@ struct GatherArgs {
 
 // One namespace per instruction set; the same algorithm is compiled into each.
 namespace avx512 {
+enum DotForm : int { kFma = 0, kVdpbf16ps = 1, kAmx = 2 };  // same bits; speed differs by CPU
+struct AmxStatus {
+  bool compiled = false;  // built with the AMX intrinsics
+  bool cpu = false;       // cpuid and XCR0 offer AMX-BF16 tiles (palette 1)
+  bool os = false;        // the OS granted this process the tile data state
+  bool checked = false;   // the start-up self-check ran
+  bool passed = false;    // every AMX score had the contract's bits: AMX is used for many-row tiles
+  std::string selfcheck;  // its outcome in words
+  std::string reason;     // why AMX is not used ("" when it is)
+};
 bool compiled();  // false when the compiler or target cannot build the AVX-512-BF16 path
 void select(const SelectArgs& a);
 void gather(const GatherArgs& a);
 uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
-double compute_probe(int kind, int64_t iters, int threads);  // seconds; kind 0: VDPBF16PS, 1: FMA
-void set_dot(int mode);  // dot products by -1: the faster form here, 0: FMA, 1: VDPBF16PS (same bits)
-bool dot_is_dp();
+// Seconds for iters x 12 instructions per thread; kind 0: VDPBF16PS, 1: FMA, 2: TDPBF16PS (AMX active only)
+double compute_probe(int kind, int64_t iters, int threads);
+// -1: auto (AMX for many rows when active, else the faster of FMA / VDPBF16PS, measured once);
+// kFma / kVdpbf16ps: that form everywhere; kAmx: AMX for many rows (needs amx_status().passed), auto otherwise.
+void set_dot(int mode);
+int dot_form(bool many_rows);      // the DotForm select() uses for R >= kTransposeMinRows or fewer rows
+const AmxStatus& amx_status();     // probed once per process (runs the self-check)
+// One tile's scores s[R][16] (for tests): keys k + j * ks (j < n <= 16), query rows q + r * D.
+void score_probe(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s, int form);
 }  // namespace avx512
 namespace portable {
 void select(const SelectArgs& a);
 void gather(const GatherArgs& a);
 uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
+void score_probe(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s);
 }  // namespace portable
 
 }  // namespace cllm

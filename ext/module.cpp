@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "amx_os.h"
 #include "cpu_select.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -22,7 +23,7 @@ using cllm::SelectArgs;
 namespace {
 
 struct Features {
-  bool avx512_bf16 = false, amx_bf16 = false;
+  bool avx512_bf16 = false;
 };
 
 Features detect() {
@@ -35,7 +36,6 @@ Features detect() {
   const bool os_zmm = (lo & 0xE6u) == 0xE6u;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM state enabled
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
   const bool base = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
-  f.amx_bf16 = (d & (1u << 22)) && (d & (1u << 24)) && ((lo >> 17) & 3u) == 3u;
   __get_cpuid_count(7, 1, &a, &b, &c, &d);
   f.avx512_bf16 = os_zmm && base && (a & (1u << 5)) && cllm::avx512::compiled();
 #endif
@@ -115,6 +115,40 @@ std::string py_gather(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
   return path_name(fast);
 }
 
+const char* form_name(int form) {
+  return form == cllm::avx512::kAmx ? "amx" : form == cllm::avx512::kVdpbf16ps ? "vdpbf16ps" : "fma";
+}
+
+// Why AMX is not used, including the case the AVX-512 path itself is not (AMX runs inside it).
+std::string amx_reason() {
+  if (!features().avx512_bf16) return "the AVX-512-BF16 path is not available here";
+  return cllm::avx512::amx_status().reason;
+}
+
+void py_score_tile(uintptr_t k, int64_t k_stride, int n, int64_t D, uintptr_t q, int R, double c, uintptr_t out,
+                   const std::string& form) {
+  if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("score_tile: head_dim must be a multiple of 32 in [32, 256]");
+  if (n < 1 || n > 16 || R < 1 || R > 4096) throw std::invalid_argument("score_tile: need 1 <= n <= 16 and 1 <= R <= 4096");
+  if (!k || !q || !out) throw std::invalid_argument("score_tile: null pointer");
+  const auto* kp = ptr<const uint16_t>(k);
+  const auto* qp = ptr<const uint16_t>(q);
+  float* s = ptr<float>(out);
+  if (form == "portable") {
+    py::gil_scoped_release nogil;
+    return cllm::portable::score_probe(kp, k_stride, n, int(D), qp, R, float(c), s);
+  }
+  int f;
+  if (form == "fma") f = cllm::avx512::kFma;
+  else if (form == "vdpbf16ps") f = cllm::avx512::kVdpbf16ps;
+  else if (form == "amx") f = cllm::avx512::kAmx;
+  else throw std::invalid_argument("score_tile: form must be 'portable', 'fma', 'vdpbf16ps' or 'amx'");
+  if (!features().avx512_bf16) throw std::runtime_error("score_tile: the AVX-512-BF16 path is not available here");
+  if (f == cllm::avx512::kAmx && !cllm::avx512::amx_status().passed)
+    throw std::runtime_error("score_tile: AMX is not active: " + amx_reason());
+  py::gil_scoped_release nogil;
+  cllm::avx512::score_probe(kp, k_stride, n, int(D), qp, R, float(c), s, f);
+}
+
 uint64_t py_read_probe(uintptr_t p, int64_t bytes, int threads, bool portable) {
   py::gil_scoped_release nogil;
   return use_avx512(portable) ? cllm::avx512::read_probe(ptr<const uint8_t>(p), bytes, threads)
@@ -137,22 +171,46 @@ PYBIND11_MODULE(_cpu_select, m) {
         py::arg("portable") = false, "Read nbytes once with all threads (a bandwidth probe); returns a checksum.");
   m.def("compute_probe", [](int kind, int64_t iters, int threads) {
     if (!features().avx512_bf16) throw std::runtime_error("compute_probe needs AVX-512-BF16");
+    if (kind == 2 && !cllm::avx512::amx_status().passed) throw std::runtime_error("compute_probe: AMX is not active");
+    if (kind < 0 || kind > 2) throw std::invalid_argument("compute_probe: kind must be 0, 1 or 2");
     py::gil_scoped_release nogil;
     return cllm::avx512::compute_probe(kind, iters, threads);
   }, py::arg("kind"), py::arg("iters"), py::arg("threads") = 1,
-        "Seconds for iters x 12 VDPBF16PS (kind 0) or FMA (kind 1) per thread on `threads` threads.");
+        "Seconds for iters x 12 VDPBF16PS (kind 0), FMA (1) or TDPBF16PS (2, AMX) per thread on `threads` threads.");
   m.def("set_dot", [](const std::string& mode) {
-    if (mode != "auto" && mode != "fma" && mode != "vdpbf16ps")
-      throw std::invalid_argument("set_dot: mode must be 'auto', 'fma' or 'vdpbf16ps'");
-    cllm::avx512::set_dot(mode == "auto" ? -1 : mode == "vdpbf16ps");
-  }, py::arg("mode"), "Dot-product form of the AVX-512 path (results are identical; speed differs by CPU).");
+    int m;
+    if (mode == "auto") m = -1;
+    else if (mode == "fma") m = cllm::avx512::kFma;
+    else if (mode == "vdpbf16ps") m = cllm::avx512::kVdpbf16ps;
+    else if (mode == "amx") m = cllm::avx512::kAmx;
+    else throw std::invalid_argument("set_dot: mode must be 'auto', 'fma', 'vdpbf16ps' or 'amx'");
+    if (m == cllm::avx512::kAmx && (!features().avx512_bf16 || !cllm::avx512::amx_status().passed))
+      throw std::runtime_error("set_dot: AMX is not active: " + amx_reason());
+    cllm::avx512::set_dot(m);
+  }, py::arg("mode"), "Dot-product form of the AVX-512 path (results are identical; speed differs by CPU). "
+        "'amx' applies to many-row tiles (fewer rows then take the auto form).");
+  m.def("score_tile", &py_score_tile, py::arg("k"), py::arg("k_stride"), py::arg("n"), py::arg("D"), py::arg("q"),
+        py::arg("R"), py::arg("c"), py::arg("out"), py::arg("form"),
+        "Test hook: scores out[R][16] = c * (q . k) of one 16-key tile (n valid keys) by the given form.");
   m.def("isa", []() { return std::string(path_name(use_avx512(false))); }, "The path used unless portable=True.");
   m.def("cpu_features", []() {
     py::dict d;
+    const cllm::AmxSupport& amx = cllm::amx_support();
     d["avx512_bf16"] = features().avx512_bf16;
-    d["amx_bf16"] = features().amx_bf16;
     d["avx512_compiled"] = cllm::avx512::compiled();
-    if (features().avx512_bf16) d["dot"] = cllm::avx512::dot_is_dp() ? "vdpbf16ps" : "fma";
+    d["amx_bf16"] = amx.cpu;  // cpuid and XCR0
+    d["amx_os"] = amx.os;     // the OS granted the tile state
+    if (features().avx512_bf16) {
+      const cllm::avx512::AmxStatus& st = cllm::avx512::amx_status();
+      d["amx_compiled"] = st.compiled;
+      d["amx_selfcheck"] = st.selfcheck;
+      d["amx_active"] = st.passed;
+      d["dot"] = form_name(cllm::avx512::dot_form(false));
+      d["dot_many_rows"] = form_name(cllm::avx512::dot_form(true));
+    } else {
+      d["amx_active"] = false;
+    }
+    d["amx_reason"] = amx_reason();
     return d;
-  });
+  }, "CPU and build features, the AMX status (self-check outcome, why not active) and the dot forms in use.");
 }

@@ -7,7 +7,8 @@
 //     issuing the prefetches pk, pv (rows of later tiles) along the way,
 //   pv_tile(v, v_ss, n, D, p[R][16], R, o[R][D], tmp)       o += p @ v over 16 keys,
 //   collect_bucket(imp, n, start, bucket, out), emit_selected(imp, n, start, cut_bits, cut_pos, out),
-//   gather_prefetch(row, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence().
+//   gather_prefetch(row, D), copy_row(dst, src, bytes), zero_row(dst, bytes), store_fence(),
+//   thread_enter(R), thread_leave(R)   per-thread set-up around a thread's score_tile calls.
 // Every step whose result feeds idx or lse uses the same operations in the same order in both
 // paths (no contraction: built with -ffp-contract=off), so both paths select the same positions.
 // exp2 recipe (Cephes exp2f, ~2e-7 relative): 2^(x - m) for an integer m is (1 + f*P(f)) * 2^(n - m)
@@ -56,12 +57,16 @@ struct AlignedBuf {
 };
 
 // Per-thread tiles: packed query rows, scores and probabilities of one tile, lane sums, temp.
+// q and s have R rounded up to 16 rows (AMX tiles read and write 16 rows); q's extra rows are zero.
 struct ThreadBuf {
   AlignedBuf q, qf, qr, s, pr, lv, tmp;
   int64_t q_item = -1;
   ThreadBuf(int64_t R, int64_t D)
-      : q(R * D * 2), qf(R * D * 4), qr(R * D * 2), s(R * kTile * 4), pr(R * kTile * 4), lv(R * kTile * 4),
-        tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {}
+      : q(round16(R) * D * 2), qf(R * D * 4), qr(R * D * 2), s(round16(R) * kTile * 4), pr(R * kTile * 4),
+        lv(R * kTile * 4), tmp(std::max<int64_t>(kTile * D * 4, kScoreRowBlock * 8 * 64)) {
+    std::memset(q.as<uint16_t>() + R * D, 0, (round16(R) - R) * D * 2);
+  }
+  static int64_t round16(int64_t R) { return (R + 15) & ~int64_t(15); }
   Queries queries() const { return {q.as<uint16_t>(), qf.as<float>(), qr.as<uint32_t>()}; }
 };
 
@@ -212,6 +217,7 @@ inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Ar
 #pragma omp parallel num_threads(T)
   {
     ThreadBuf t(R, a.D);
+    thread_enter(R);
     for (const Wave& w : p.waves) {
       const int64_t nu = w.unit1 - w.unit0;
 #pragma omp for schedule(static)
@@ -255,7 +261,18 @@ inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Ar
                         a.idx + (it.b * a.KVH + it.h) * a.topk + u.out_off);
       }
     }
+    thread_leave(R);
   }
+}
+
+// One tile's scores through the same score_tile, for tests: keys k + j * ks (j < n), rows q + r * D.
+inline void probe_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16_t* q, int R, float c, float* s) {
+  ThreadBuf t(R, D);
+  for (int r = 0; r < R; ++r) pack_query_row(q + int64_t(r) * D, r, D, t);
+  thread_enter(R);
+  score_tile(k, ks, n, D, t.queries(), R, c, t.s.as<float>(), t.tmp.p, Prefetch{}, Prefetch{});
+  thread_leave(R);
+  std::memcpy(s, t.s.p, sizeof(float) * R * kTile);
 }
 
 // gather: one unit = (K or V, request, kv head, slice of 256 rows); dynamic for uneven slices.

@@ -1,6 +1,10 @@
 """compiledllm._cpu_select against the float32 torch reference (CPU; both dispatch paths)."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +17,9 @@ def test_extension_is_built():
     assert cs.extension_available()
 
 PATHS = [False] + ([True] if cs.isa() == "avx512bf16" else [])  # portable=...; both when the CPU allows
+AVX_FORMS = ["fma", "vdpbf16ps"] if cs.isa() == "avx512bf16" else []
+AMX = cs.amx_status() if cs.isa() == "avx512bf16" else {"cpu": False, "active": False, "reason": "no AVX-512 path"}
+needs_amx = pytest.mark.skipif(not AMX["active"], reason=f"AMX not active: {AMX['reason']}")
 
 
 def _data(B, KVH, S, D, G, n_q, seed=0, spread=1.0):
@@ -83,7 +90,7 @@ def test_paths_forms_and_threads_agree_bitwise(n_q):
     base = cs.select(q, k, v, lengths, 400, threads=1, portable=True)
     variants = [{"threads": 2}, {"threads": 3, "portable": True}, {"threads": 2, "_score_budget": 1},
                 {"prefetch": 2}, {"prefetch": 1, "prefetch_l2": True}]
-    forms = ["fma", "vdpbf16ps"] if cs.isa() == "avx512bf16" else ["auto"]
+    forms = AVX_FORMS + (["amx"] if AMX["active"] else []) or ["auto"]
     try:
         for form in forms:
             cs.set_dot_form(form)
@@ -211,3 +218,116 @@ def test_many_rows_default_waves_agree_bitwise():
         other = cs.select(q, k, v, lengths, 250, **kw)
         assert torch.equal(other.topk_idx, base.topk_idx), kw
         assert torch.equal(other.lse, base.lse), kw
+
+
+def _chain_order(k, q, c):
+    """The many-row contract in torch: one float32 chain over the dim pairs, even element first."""
+    kf, qf = k.float(), q.float()
+    acc = torch.zeros(q.shape[0], k.shape[0])
+    for d in range(0, k.shape[1], 2):  # separate mul and add: products of bf16 values are exact
+        acc = acc + qf[:, d, None] * kf[None, :, d]
+        acc = acc + qf[:, d + 1, None] * kf[None, :, d + 1]
+    return acc * c
+
+
+def _lane_order(k, q, c):
+    """The few-row contract in torch: lane l sums pairs (32c + 2l, +1) odd first, then a fixed tree."""
+    n, D = k.shape
+    kf, qf = k.float().view(n, D // 32, 16, 2), q.float().view(q.shape[0], D // 32, 16, 2)
+    a = torch.zeros(q.shape[0], n, 16)
+    for ch in range(D // 32):
+        a = a + qf[:, None, ch, :, 1] * kf[None, :, ch, :, 1]
+        a = a + qf[:, None, ch, :, 0] * kf[None, :, ch, :, 0]
+    g = [(a[..., 4 * L] + a[..., 4 * L + 2]) + (a[..., 4 * L + 1] + a[..., 4 * L + 3]) for L in range(4)]
+    return ((g[0] + g[1]) + (g[2] + g[3])) * c
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("form", ["portable"] + AVX_FORMS + (["amx"] if AMX["active"] else []))
+@pytest.mark.parametrize("R,D,n", [(16, 64, 16), (20, 128, 7), (128, 128, 16), (33, 256, 16), (3, 128, 16),
+                                   (15, 64, 9)])
+def test_scores_follow_the_contract_order(form, R, D, n):
+    """Every form's scores, bit for bit, against a torch emulation of the contract's add order (the
+    chain for R >= 16 rows, the lane tree below), with magnitudes spread over many binades."""
+    if form == "amx" and R < 16:
+        pytest.skip("AMX scores many-row tiles only")
+    g = torch.Generator().manual_seed(R * D + n)
+    spread = lambda *shape: (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 13, shape, generator=g)))
+    pool = spread(3 * n, D).to(torch.bfloat16)
+    k, q = pool[::3], spread(R, D).to(torch.bfloat16)  # keys with a row stride of 3 * D
+    c = 0.0883883 * 1.4426950
+    got = cs._score_tile(k, q, c, form)[:, :n]
+    want = (_chain_order if R >= 16 else _lane_order)(k, q, c)
+    assert torch.equal(_bits(got), _bits(want)), (form, int((_bits(got) != _bits(want)).sum()))
+
+
+def test_amx_status_is_consistent():
+    """Where AMX is not active, forcing it fails with the reason, and auto does not pick it."""
+    f = cs.cpu_features()
+    assert {"amx_bf16", "amx_os", "amx_active", "amx_reason"} <= f.keys()
+    if f["amx_active"]:
+        assert f["amx_reason"] == "" and f["amx_selfcheck"].startswith("passed")
+        assert f["dot_many_rows"] == "amx"
+        return
+    assert f["amx_reason"]
+    if cs.isa() == "avx512bf16":
+        assert f["dot_many_rows"] in ("fma", "vdpbf16ps")
+    with pytest.raises(RuntimeError, match="AMX is not active"):
+        cs.set_dot_form("amx")
+
+
+def test_amx_selfcheck_passes_where_amx_exists():
+    """On a CPU with AMX-BF16 the tiles must be usable and bit-identical: a failure here (not a skip)
+    means the OS refused the tile state or TDPBF16PS rounds differently from the contract."""
+    if not AMX["cpu"]:
+        pytest.skip(f"no AMX-BF16 here: {AMX['reason']}")
+    assert AMX["active"], f"AMX present but not used: {AMX['reason']}"
+
+
+@needs_amx
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G,n_q,lengths", [(4, 32, [4099, 1]), (4, 32, [777, 4096, 16]), (3, 7, [1001, 2050])])
+def test_amx_matches_other_forms_bitwise(D, G, n_q, lengths):
+    """select() with AMX against FMA, VDPBF16PS and portable (128 or 21 rows per KV head, tails of
+    partial tiles): idx and lse identical, out identical across the AVX-512 forms (the same p @ V)
+    and close to portable's."""
+    q, k, v = _data(len(lengths), 2, max(lengths), D, G, n_q, seed=D + len(lengths))
+    topk = 205
+    try:
+        cs.set_dot_form("amx")
+        amx = cs.select(q, k, v, lengths, topk)
+        assert cs.cpu_features()["dot_many_rows"] == "amx"
+        for form in AVX_FORMS:
+            cs.set_dot_form(form)
+            other = cs.select(q, k, v, lengths, topk)
+            assert torch.equal(other.topk_idx, amx.topk_idx), form
+            assert torch.equal(_bits(other.lse), _bits(amx.lse)), form
+            assert torch.equal(_bits(other.out), _bits(amx.out)), form
+    finally:
+        cs.set_dot_form("auto")
+    port = cs.select(q, k, v, lengths, topk, portable=True)
+    assert torch.equal(port.topk_idx, amx.topk_idx) and torch.equal(_bits(port.lse), _bits(amx.lse))
+    torch.testing.assert_close(port.out, amx.out, rtol=1e-5, atol=1e-6)
+
+
+def test_amx_code_under_emulation(tmp_path):
+    """ext/amx_score.h and ext/amx_selfcheck.h with the tile instructions replaced by a software
+    model of Intel's pseudocode (ext/check/amx_emulation.cpp): row blocks, padding and tails give the
+    contract's bits, and the self-check rejects a model that sums each pair before adding it."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or cs.isa() != "avx512bf16":
+        pytest.skip("needs a C++ compiler and an AVX-512-BF16 CPU (the code scales scores with AVX-512)")
+    ext = Path(__file__).resolve().parents[1] / "ext"
+    exe = tmp_path / "amx_emulation"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
+                    "-mavx512dq", "-mavx512vl", "-mavx512bf16", f"-I{ext}", str(ext / "check" / "amx_emulation.cpp"),
+                    "-o", str(exe)], check=True, timeout=300)
+    ok = subprocess.run([str(exe)], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "selfcheck: passed: 7168 of 7168" in ok, ok
+    assert "layout: 0 of " in ok, ok
+    bad = subprocess.run([str(exe), "pair-sum"], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "selfcheck: failed" in bad and "pair-sum-first matches" in bad, bad
+    assert "layout: 0 of " not in bad, bad

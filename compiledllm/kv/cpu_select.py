@@ -18,7 +18,10 @@ Contract (the C++ extension compiledllm._cpu_select and cpu_select_ref.select_re
     lse      [B, Hq, n_q] float32: log-sum-exp of the scores (-inf for an empty prefix).
 
 Selection only (want_output=False) reads keys only. Results do not depend on `threads`, and
-the AVX-512-BF16 and portable paths return identical topk_idx and lse on the same data.
+the AVX-512-BF16 and portable paths return identical topk_idx and lse on the same data: the order of
+the float32 adds in each score is fixed (ext/cpu_select.h), and every dot-product form (FMA,
+VDPBF16PS, and AMX tiles for G*n_q >= 16 rows where a start-up self-check finds them bit-identical)
+follows it.
 gather() copies the selected rows into one contiguous [2, B, KVH, topk, D] bf16 buffer
 (K then V; zero rows for -1), pinned when CUDA is available, ready for one H2D copy per layer.
 """
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["SelectResult", "select", "gather", "read_probe", "isa", "cpu_features", "extension_available",
-           "set_dot_form"]
+           "set_dot_form", "amx_status"]
 
 MAX_G, MAX_NQ = 8, 64
 _FORCE_PORTABLE = os.environ.get("CLLM_CPU_SELECT_PORTABLE", "") not in ("", "0")
@@ -70,13 +73,39 @@ def isa() -> str:
 
 
 def cpu_features() -> dict[str, bool | str]:
+    """CPU and build features, the AMX entries of amx_status() (prefixed amx_), and the dot-product
+    forms in use: 'dot' for fewer than 16 query rows per KV head, 'dot_many_rows' for 16 or more."""
     return dict(_ext().cpu_features())
 
 
+def amx_status() -> dict[str, bool | str]:
+    """Whether select() scores many-row tiles with AMX: 'cpu' (cpuid/XCR0), 'os' (tile state granted),
+    'selfcheck' (the start-up bit-identity check, in words), 'active', and 'reason' when not."""
+    f = cpu_features()
+    return {"cpu": f["amx_bf16"], "os": f["amx_os"], "selfcheck": f.get("amx_selfcheck", "not run"),
+            "active": f["amx_active"], "reason": f["amx_reason"]}
+
+
 def set_dot_form(mode: str) -> None:
-    """How the AVX-512 path forms bf16 dot products: 'vdpbf16ps', 'fma' (the same bits; VDPBF16PS is
-    slow on some CPUs) or 'auto' (the faster here, measured once per process)."""
+    """How the AVX-512 path forms bf16 dot products (the same bits in every form): 'fma', 'vdpbf16ps'
+    (slow on some CPUs), 'amx' (tiles for 16 or more query rows per KV head; needs amx_status()
+    ['active']; fewer rows take the auto form) or 'auto' (AMX where active, else the faster of the
+    other two, measured once per process)."""
     _ext().set_dot(mode)
+
+
+def _score_tile(keys: torch.Tensor, q: torch.Tensor, c: float, form: str) -> torch.Tensor:
+    """Test hook: [R, 16] float32 scores c * (q . k) of one tile of n <= 16 keys ([n, D] bf16, rows
+    strided, last dim contiguous) against q [R, D] bf16, by form 'portable', 'fma', 'vdpbf16ps' or
+    'amx'. R picks the scheme as in select(); columns >= n are unspecified."""
+    if keys.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or keys.dim() != 2 or q.dim() != 2 \
+            or keys.shape[1] != q.shape[1] or keys.stride(1) != 1:
+        raise ValueError("keys [n, D] and q [R, D] must be bfloat16 with the same D, last dim contiguous")
+    q = q.contiguous()
+    out = torch.empty((q.shape[0], 16), dtype=torch.float32)
+    _ext().score_tile(keys.data_ptr(), keys.stride(0), keys.shape[0], keys.shape[1], q.data_ptr(), q.shape[0],
+                      float(c), out.data_ptr(), form)
+    return out
 
 
 def _check_cache(name: str, t: object, shape: tuple[int, ...] | None = None) -> torch.Tensor:
