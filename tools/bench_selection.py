@@ -3,11 +3,15 @@ sequential read bandwidth and a torch baseline, for LLaDA2.0-mini's shape (4 KV 
 head_dim 128) at 8K / 32K / 128K prefixes, 1 and 32 query tokens, selection only and with output.
 
     python tools/bench_selection.py [--out docs/results/bench_selection_<host>.json] [--quick]
+                                    [--forms auto,amx,fma]
 
 Each prefix runs B = 128K / S requests (one layer = 128 MiB of K), rotating over --layers copies so
 that the scan reads DRAM, not the last-level cache. Budget k = 5 % of the prefix (HERALD's).
 GB/s counts K (+V with output) bytes of the valid prefixes once per call; gather GB/s counts the
 bytes written to the destination (the selected K and V rows). Prints a short table last.
+Each run records the dot-product form that scored it (amx / vdpbf16ps / fma); --forms repeats the
+32-query runs with each listed form (same bits, so only the time differs). The AMX self-check
+outcome is in the JSON's info.amx and printed first.
 """
 from __future__ import annotations
 
@@ -76,13 +80,24 @@ def compute_rates(threads: int) -> dict:
         return {}
     out = {}
     cores = threads or os.cpu_count() or 1
-    for kind, name in ((0, "vdpbf16ps"), (1, "fma")):
+    kinds = [(0, "vdpbf16ps", 200_000), (1, "fma", 2_000_000)]
+    if cs.amx_status()["active"]:
+        kinds.append((2, "tdpbf16ps", 20_000))  # one TDPBF16PS = 16 x 16 x 32 multiply-adds
+    for kind, name, iters in kinds:
         for th in (1, cores):
-            iters = 200_000 if kind == 0 else 2_000_000
             t = min(ext.compute_probe(kind, iters, th) for _ in range(3))
             out[f"{name}_ginstr_per_s_{th}t"] = 12 * iters * th / t / 1e9
-    out["dot_form_chosen"] = cs.cpu_features().get("dot")
+    f = cs.cpu_features()
+    out["dot_form_chosen"] = f.get("dot")
+    out["dot_form_chosen_many_rows"] = f.get("dot_many_rows")
     return out
+
+
+def form_used(rows: int) -> str:
+    """The dot-product form select() uses now for `rows` query rows per KV head."""
+    if cs.isa() != "avx512bf16":
+        return "portable"
+    return cs.cpu_features()["dot_many_rows" if rows >= 16 else "dot"]
 
 
 def torch_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, budget: int, scale: float):
@@ -97,7 +112,7 @@ def torch_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, bud
 
 
 def run_prefix(S: int, n_layers: int, threads: int, quick: bool, prefetch_grid: list[tuple[int, bool]],
-               fixed: dict[bool, tuple[int, bool]] | None, evict_bytes: int, log) -> dict:
+               fixed: dict[bool, tuple[int, bool]] | None, evict_bytes: int, log, forms: list[str]) -> dict:
     B = max(1, 131072 // S)
     budget = max(1, round(0.05 * S))
     g = torch.Generator().manual_seed(S)
@@ -149,20 +164,29 @@ def run_prefix(S: int, n_layers: int, threads: int, quick: bool, prefetch_grid: 
         for want_out in (False, True):
             mode = "select+out" if want_out else "select"
             scanned = key_bytes * (2 if want_out else 1)
-            t = timeit(ours(q, want_out, chosen[want_out]), 3 if n_q > 1 else 5, 40, min_s)
-            tb_reps = 2 if (quick or S * n_q >= 131072 * 32) else 3
-            tb = timeit(lambda i: torch_baseline(q, ks[i % n_layers], vs[i % n_layers] if want_out else None,
-                                                 budget, scale), tb_reps, tb_reps, 0.0)
-            run = {
-                "n_q": n_q, "mode": mode, "bytes_scanned": scanned, "prefetch": list(chosen[want_out]),
-                "ms_per_layer": t["median_s"] * 1e3, "ms_per_layer_per_request": t["median_s"] * 1e3 / B,
-                "gbs": scanned / t["median_s"] / 1e9, "min_ms": t["min_s"] * 1e3, "reps": t["reps"],
-                "torch_ms_per_layer": tb["median_s"] * 1e3, "torch_gbs": scanned / tb["median_s"] / 1e9,
-                "speedup_vs_torch": tb["median_s"] / t["median_s"],
-            }
-            rec["runs"].append(run)
-            log(f"  S={S} n_q={n_q} {mode}: {run['gbs']:.1f} GB/s, {run['ms_per_layer_per_request']:.3f} "
-                f"ms/layer/request; torch {run['torch_ms_per_layer']:.1f} ms ({run['speedup_vs_torch']:.1f}x)")
+            tb = None  # the torch baseline once per (n_q, mode), shared by the forms
+            for form in forms if n_q > 1 else ["auto"]:
+                cs.set_dot_form(form)
+                try:
+                    t = timeit(ours(q, want_out, chosen[want_out]), 3 if n_q > 1 else 5, 40, min_s)
+                    used = form_used(G * n_q)
+                finally:
+                    cs.set_dot_form("auto")
+                if tb is None:
+                    tb_reps = 2 if (quick or S * n_q >= 131072 * 32) else 3
+                    tb = timeit(lambda i: torch_baseline(q, ks[i % n_layers], vs[i % n_layers] if want_out else None,
+                                                         budget, scale), tb_reps, tb_reps, 0.0)
+                run = {
+                    "n_q": n_q, "mode": mode, "form": used, "form_requested": form, "bytes_scanned": scanned,
+                    "prefetch": list(chosen[want_out]),
+                    "ms_per_layer": t["median_s"] * 1e3, "ms_per_layer_per_request": t["median_s"] * 1e3 / B,
+                    "gbs": scanned / t["median_s"] / 1e9, "min_ms": t["min_s"] * 1e3, "reps": t["reps"],
+                    "torch_ms_per_layer": tb["median_s"] * 1e3, "torch_gbs": scanned / tb["median_s"] / 1e9,
+                    "speedup_vs_torch": tb["median_s"] / t["median_s"],
+                }
+                rec["runs"].append(run)
+                log(f"  S={S} n_q={n_q} {mode} [{used}]: {run['gbs']:.1f} GB/s, {run['ms_per_layer_per_request']:.3f} "
+                    f"ms/layer/request; torch {run['torch_ms_per_layer']:.1f} ms ({run['speedup_vs_torch']:.1f}x)")
 
     # gather of the 1-query selection into a (pinned when CUDA exists) buffer, then one H2D copy
     q1 = torch.randn(B, KVH * G, 1, D, generator=g).to(torch.bfloat16)
@@ -204,7 +228,12 @@ def main() -> None:
                     help="software prefetch settings to try: distance in 16-key tiles, -l2 for prefetcht1")
     ap.add_argument("--evict-mib", type=int, default=1024, help="buffer read between cold gathers")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--forms", default="auto",
+                    help="dot-product forms for the 32-query runs, comma-separated: auto, amx, vdpbf16ps, fma")
     args = ap.parse_args()
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    if bad := [f for f in forms if f not in ("auto", "amx", "vdpbf16ps", "fma")]:
+        ap.error(f"unknown --forms {bad}")
     if args.threads:
         torch.set_num_threads(args.threads)  # the torch baseline gets the same cores
     host = socket.gethostname()
@@ -221,7 +250,17 @@ def main() -> None:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
+    amx = cs.amx_status()
+    info["amx"] = amx
+    info["dot_forms"] = {"few_rows": form_used(1), "many_rows": form_used(16)}
+    if cs.isa() != "avx512bf16":
+        forms = ["auto"]
+    elif "amx" in forms and not amx["active"]:
+        forms = [f for f in forms if f != "amx"] or ["auto"]
+        print(f"--forms: amx dropped (AMX not active: {amx['reason']})", flush=True)
     log(f"# {info['cpu']} ({info['cores']} cores), isa {info['isa']}, torch {info['torch']}")
+    log(f"# scoring forms: {info['dot_forms']['few_rows']} for 1..15 rows, {info['dot_forms']['many_rows']} for "
+        f"16+ rows; AMX {'active' if amx['active'] else 'off: ' + amx['reason']}; self-check: {amx['selfcheck']}")
     bw = read_bandwidth(args.threads, 0.5 if args.quick else 2.0)
     read_bw = max(bw["torch_sum_gbs"], bw["ext_read_probe_gbs"])
     log(f"read bandwidth: torch sum {bw['torch_sum_gbs']:.1f} GB/s, ext probe {bw['ext_read_probe_gbs']:.1f} GB/s; "
@@ -238,7 +277,7 @@ def main() -> None:
     chosen = None
     for S in sorted(prefixes, reverse=True):  # the longest first: it picks the prefetch distance
         try:
-            rec = run_prefix(S, args.layers, args.threads, args.quick, grid, chosen, args.evict_mib << 20, log)
+            rec = run_prefix(S, args.layers, args.threads, args.quick, grid, chosen, args.evict_mib << 20, log, forms)
             chosen = {False: tuple(rec["prefetch"]["select"]), True: tuple(rec["prefetch"]["select+out"])}
         except Exception as e:  # keep the other prefixes' figures
             rec = {"prefix": S, "error": repr(e)}
@@ -249,7 +288,9 @@ def main() -> None:
 
     print(f"\nread bandwidth (reference) {read_bw:.1f} GB/s; targets: 1-query scans >= {TARGET_SCAN:.0%} of it, "
           f"32 queries >= {TARGET_SPEEDUP:.0f}x torch, gather >= {TARGET_GATHER:.0%} of it")
-    print(f"{'prefix':>7} {'B':>3} {'n_q':>3} {'mode':<10} {'GB/s':>6} {'%read':>6} {'ms/layer/req':>12} "
+    print(f"scoring forms: {info['dot_forms']['few_rows']} (1..15 rows), {info['dot_forms']['many_rows']} (16+ rows); "
+          f"AMX self-check: {amx['selfcheck']}")
+    print(f"{'prefix':>7} {'B':>3} {'n_q':>3} {'mode':<10} {'form':<9} {'GB/s':>6} {'%read':>6} {'ms/layer/req':>12} "
           f"{'torch ms':>9} {'speedup':>7} target")
     for rec in results:
         if "error" in rec:
@@ -258,13 +299,14 @@ def main() -> None:
         for r in rec["runs"]:
             frac = r["gbs"] / read_bw
             ok = frac >= TARGET_SCAN if r["n_q"] == 1 else r["speedup_vs_torch"] >= TARGET_SPEEDUP
-            print(f"{rec['prefix']:>7} {rec['requests']:>3} {r['n_q']:>3} {r['mode']:<10} {r['gbs']:>6.1f} "
+            print(f"{rec['prefix']:>7} {rec['requests']:>3} {r['n_q']:>3} {r['mode']:<10} {r['form']:<9} "
+                  f"{r['gbs']:>6.1f} "
                   f"{frac:>6.0%} {r['ms_per_layer_per_request']:>12.3f} {r['torch_ms_per_layer']:>9.1f} "
                   f"{r['speedup_vs_torch']:>6.1f}x {'ok' if ok else 'MISS'}")
         gth = rec["gather"]
         frac = gth["gbs"] / read_bw
         h2d = f"; H2D {gth['h2d_gbs']:.1f} GB/s" if "h2d_gbs" in gth else ""
-        print(f"{rec['prefix']:>7} {rec['requests']:>3}   - gather     {gth['gbs']:>6.1f} {frac:>6.0%} "
+        print(f"{rec['prefix']:>7} {rec['requests']:>3}   - gather     {'':<9} {gth['gbs']:>6.1f} {frac:>6.0%} "
               f"{gth['ms']:>12.3f} (cold, batch; warm {gth['warm_gbs']:.0f} GB/s{h2d}) "
               f"{'ok' if frac >= TARGET_GATHER else 'MISS'}")
     print(f"JSON: {out}")
