@@ -72,7 +72,6 @@ static void score_rows_amx(const uint32_t* kt, const uint16_t* q, int R, float c
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * kTile, _mm512_mul_ps(_mm512_loadu_ps(s + r * kTile), vc));
 }
 
-
 // Peak TDPBF16PS rate, for the report: 12 per iteration into 4 accumulators, per thread.
 static double amx_probe(int64_t iters, int threads) {
   const double t0 = omp_get_wtime();
