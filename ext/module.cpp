@@ -127,8 +127,10 @@ std::string amx_reason() {
 
 void py_score_tile(uintptr_t k, int64_t k_stride, int n, int64_t D, uintptr_t q, int R, double c, uintptr_t out,
                    const std::string& form) {
-  if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("score_tile: head_dim must be a multiple of 32 in [32, 256]");
-  if (n < 1 || n > 16 || R < 1 || R > 4096) throw std::invalid_argument("score_tile: need 1 <= n <= 16 and 1 <= R <= 4096");
+  if (D % 32 != 0 || D < 32 || D > 256)
+    throw std::invalid_argument("score_tile: head_dim must be a multiple of 32 in [32, 256]");
+  if (n < 1 || n > 16 || R < 1 || R > 4096)
+    throw std::invalid_argument("score_tile: need 1 <= n <= 16 and 1 <= R <= 4096");
   if (!k || !q || !out) throw std::invalid_argument("score_tile: null pointer");
   const auto* kp = ptr<const uint16_t>(k);
   const auto* qp = ptr<const uint16_t>(q);

@@ -126,7 +126,8 @@ int64_t layout_case(int R, int n, uint64_t seed, int64_t& compared) {
   amx_leave();
   int64_t bad = 0;
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < n; ++j, ++compared) bad += !same_bits(s[r * kTile + j], amx_chain(&k[j * D], &q[r * D], D, 0) * c);
+    for (int j = 0; j < n; ++j, ++compared)
+      bad += !same_bits(s[r * kTile + j], amx_chain(&k[j * D], &q[r * D], D, 0) * c);
   return bad;
 }
 }  // namespace avx512
