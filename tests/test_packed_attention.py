@@ -200,6 +200,21 @@ def test_kernel_strided_inputs_and_int32_prefix(backend):
 
 @gpu
 @needs_kernel
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_batch_offsets_past_2_31_elements(backend):
+    """A cache whose row offsets pass 2^31 elements (a large batch at a long context): 64-bit addressing."""
+    S, Lq, H, KVH, D = 256, 32, 8, 2, 128
+    row = 2**31 + S * KVH * D  # elements between the two rows' caches
+    buf = torch.randn(row + S * KVH * D, device="cuda", dtype=torch.bfloat16)  # 4.3 GB
+    k_cache = buf.as_strided((2, S, KVH, D), (row, KVH * D, D, 1))
+    v_cache = buf.as_strided((2, S, KVH, D), (row, KVH * D, D, 1), storage_offset=D)
+    q, _, _, prefix, k_win, v_win = make_inputs(2, S, Lq, H, KVH, D, dtype=torch.bfloat16, device="cuda",
+                                                prefix=[S, 100])
+    check_kernel((q, k_cache, v_cache, prefix, k_win, v_win), 32, backend=backend)
+
+
+@gpu
+@needs_kernel
 def test_dispatch_picks_kernel_on_cuda():
     from compiledllm.attention import packed
 

@@ -30,8 +30,9 @@ from compiledllm.triton_support import triton_on_cuda
 
 # Whether the CuPy kernel can be used at all (the optional extra compiledllm[cupy-cuda13]).
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
-# The kernels auto dispatch tries on CUDA, first usable wins.
-CUDA_BACKENDS = ("cupy", "triton")
+# The kernels auto dispatch tries on CUDA, first usable wins: Triton's wgmma kernel first (faster than the
+# CuPy mma.sync kernel at decode shapes on the H200, docs/results/attention.md), CuPy where Triton is missing.
+CUDA_BACKENDS = ("triton", "cupy")
 _REF_CHUNK_BYTES = 256 << 20  # float32 scores + K/V of one batch chunk in the reference
 
 

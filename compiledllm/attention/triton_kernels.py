@@ -38,7 +38,7 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
     ROWS: tl.constexpr = G * LQ
     bh = tl.program_id(1)
     split = tl.program_id(2)
-    b = bh // KVH
+    b = (bh // KVH).to(tl.int64)  # batch offsets of a large cache pass 2^31 elements
     kvh = bh % KVH
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = r < ROWS
@@ -99,7 +99,7 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
 def packed_attn_combine(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, n_out_rows, LQ: tl.constexpr, H: tl.constexpr,
                         D: tl.constexpr, NSPLIT: tl.constexpr, RB: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Merge the splits' normalised partials by their lse: RB output rows (b, i, h) per program."""
-    row = tl.program_id(0) * RB + tl.arange(0, RB)
+    row = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     ok = row < n_out_rows
     h = row % H
     i = (row // H) % LQ
