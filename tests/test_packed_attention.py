@@ -205,7 +205,7 @@ def test_kernel_batch_offsets_past_2_31_elements(backend):
     """A cache whose row offsets pass 2^31 elements (a large batch at a long context): 64-bit addressing."""
     S, Lq, H, KVH, D = 256, 32, 8, 2, 128
     row = 2**31 + S * KVH * D  # elements between the two rows' caches
-    buf = torch.randn(row + S * KVH * D, device="cuda", dtype=torch.bfloat16)  # 4.3 GB
+    buf = torch.randn(row + S * KVH * D + D, device="cuda", dtype=torch.bfloat16)  # 4.3 GB; V starts D later
     k_cache = buf.as_strided((2, S, KVH, D), (row, KVH * D, D, 1))
     v_cache = buf.as_strided((2, S, KVH, D), (row, KVH * D, D, 1), storage_offset=D)
     q, _, _, prefix, k_win, v_win = make_inputs(2, S, Lq, H, KVH, D, dtype=torch.bfloat16, device="cuda",
