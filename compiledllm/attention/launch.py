@@ -1,5 +1,5 @@
 """What both packed-attention kernels (CuPy/CUDA and Triton) share at launch: input checks, the split-K
-(flash-decoding) split count and the split-K workspace."""
+(flash-decoding) split count, the split-K workspace and the ops' fake (shape-only) outputs."""
 from __future__ import annotations
 
 import functools
@@ -49,3 +49,9 @@ class Workspace:
             buf = torch.empty(numel, dtype=torch.float32, device=device)
             cls.buffers[device.index] = buf
         return buf[:numel]
+
+
+def fake_outputs(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ops' outputs for tracing: out like q, lse [B, H, Lq] float32 (empty without return_lse)."""
+    B, Lq, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32)

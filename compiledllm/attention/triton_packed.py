@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.attention.launch import Workspace, check_inputs, num_splits
+from compiledllm.attention.launch import Workspace, check_inputs, fake_outputs, num_splits
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,4 @@ def packed_attention_triton_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @packed_attention_triton_op.register_fake
 def _(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse):
-    B, Lq, H, _ = q.shape
-    lse = q.new_empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32)
-    return q.new_empty(q.shape), lse
+    return fake_outputs(q, return_lse)
