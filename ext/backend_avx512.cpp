@@ -294,10 +294,11 @@ int dot_form(bool many_rows) {
   const int mode = g_dot_mode.load(std::memory_order_relaxed);
   if (mode == kFma || mode == kVdpbf16ps) return mode;
   if (many_rows && amx_status().passed) return kAmx;  // auto, or kAmx (set only when it passed)
+  if (many_rows && mode == kAmxInexact && amx_status().compiled && amx_status().os) return kAmx;
   return measured_dp() ? kVdpbf16ps : kFma;
 }
 
-void set_dot(int mode) { g_dot_mode.store(mode < 0 || mode > kAmx ? -1 : mode); }
+void set_dot(int mode) { g_dot_mode.store(mode < 0 || mode > kAmxInexact ? -1 : mode); }
 
 const AmxStatus& amx_status() {
   static const AmxStatus st = [] {

@@ -60,7 +60,8 @@ struct GatherArgs {
 
 // One namespace per instruction set; the same algorithm is compiled into each.
 namespace avx512 {
-enum DotForm : int { kFma = 0, kVdpbf16ps = 1, kAmx = 2 };  // same bits; speed differs by CPU
+// Same bits, speed differs by CPU; kAmxInexact is a mode only: AMX tiles even where the self-check found other bits
+enum DotForm : int { kFma = 0, kVdpbf16ps = 1, kAmx = 2, kAmxInexact = 3 };
 struct AmxStatus {
   bool compiled = false;  // built with the AMX intrinsics
   bool cpu = false;       // cpuid and XCR0 offer AMX-BF16 tiles (palette 1)
@@ -77,7 +78,9 @@ uint64_t read_probe(const uint8_t* p, int64_t bytes, int threads);
 // Seconds for iters x 12 instructions per thread; kind 0: VDPBF16PS, 1: FMA, 2: TDPBF16PS (AMX active only)
 double compute_probe(int kind, int64_t iters, int threads);
 // -1: auto (AMX for many rows when active, else the faster of FMA / VDPBF16PS, measured once);
-// kFma / kVdpbf16ps: that form everywhere; kAmx: AMX for many rows (needs amx_status().passed), auto otherwise.
+// kFma / kVdpbf16ps: that form everywhere; kAmx: AMX for many rows (needs amx_status().passed), auto otherwise;
+// kAmxInexact: AMX for many rows wherever the OS grants the tiles (scores may differ from the other paths in the
+// last bit, so positions may differ at near-ties: an explicit opt-in, never chosen by auto).
 void set_dot(int mode);
 int dot_form(bool many_rows);      // the DotForm select() uses for R >= kTransposeMinRows or fewer rows
 const AmxStatus& amx_status();     // probed once per process (runs the self-check)

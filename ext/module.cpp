@@ -185,12 +185,17 @@ PYBIND11_MODULE(_cpu_select, m) {
     else if (mode == "fma") m = cllm::avx512::kFma;
     else if (mode == "vdpbf16ps") m = cllm::avx512::kVdpbf16ps;
     else if (mode == "amx") m = cllm::avx512::kAmx;
-    else throw std::invalid_argument("set_dot: mode must be 'auto', 'fma', 'vdpbf16ps' or 'amx'");
+    else if (mode == "amx_inexact") m = cllm::avx512::kAmxInexact;
+    else throw std::invalid_argument("set_dot: mode must be 'auto', 'fma', 'vdpbf16ps', 'amx' or 'amx_inexact'");
     if (m == cllm::avx512::kAmx && (!features().avx512_bf16 || !cllm::avx512::amx_status().passed))
       throw std::runtime_error("set_dot: AMX is not active: " + amx_reason());
+    const cllm::avx512::AmxStatus& st = cllm::avx512::amx_status();
+    if (m == cllm::avx512::kAmxInexact && (!features().avx512_bf16 || !st.compiled || !st.os))
+      throw std::runtime_error("set_dot: AMX tiles are not available here: " + amx_reason());
     cllm::avx512::set_dot(m);
   }, py::arg("mode"), "Dot-product form of the AVX-512 path (results are identical; speed differs by CPU). "
-        "'amx' applies to many-row tiles (fewer rows then take the auto form).");
+        "'amx' applies to many-row tiles (fewer rows then take the auto form); 'amx_inexact' uses the tiles even where "
+        "the self-check found other bits (positions may then differ from the portable path at near-ties).");
   m.def("score_tile", &py_score_tile, py::arg("k"), py::arg("k_stride"), py::arg("n"), py::arg("D"), py::arg("q"),
         py::arg("R"), py::arg("c"), py::arg("out"), py::arg("form"),
         "Test hook: scores out[R][16] = c * (q . k) of one 16-key tile (n valid keys) by the given form.");

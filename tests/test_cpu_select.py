@@ -279,6 +279,23 @@ def test_amx_status_is_consistent():
         cs.set_dot_form("amx")
 
 
+def test_amx_inexact_is_an_explicit_opt_in():
+    """'amx_inexact' (AMX tiles whatever the self-check found) is never the auto choice, and where the tiles
+    are missing forcing it fails with the reason instead of silently scoring another way."""
+    if AMX["cpu"] and AMX.get("os"):
+        cs.set_dot_form("amx_inexact")
+        try:
+            assert cs.cpu_features()["dot_many_rows"] == "amx"
+        finally:
+            cs.set_dot_form("auto")
+        assert cs.cpu_features()["dot_many_rows"] == ("amx" if AMX["active"] else cs.cpu_features()["dot"])
+    else:
+        with pytest.raises(RuntimeError, match="AMX tiles are not available"):
+            cs.set_dot_form("amx_inexact")
+    with pytest.raises(ValueError, match="amx_inexact"):
+        cs.set_dot_form("amx-approx")
+
+
 def test_amx_selfcheck_gives_a_verdict_where_amx_exists():
     """On a CPU with AMX-BF16 whose OS grants the tiles the self-check must have run: AMX is then either
     active (bit-identical) or off with the measured mismatch as the reason. The H200 host's CPU is the

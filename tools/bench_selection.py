@@ -229,10 +229,11 @@ def main() -> None:
     ap.add_argument("--evict-mib", type=int, default=1024, help="buffer read between cold gathers")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--forms", default="auto",
-                    help="dot-product forms for the 32-query runs, comma-separated: auto, amx, vdpbf16ps, fma")
+                    help="dot-product forms for the 32-query runs, comma-separated: auto, amx, vdpbf16ps, fma, "
+                         "amx_inexact (AMX where its bits differ from the contract: a speed probe)")
     args = ap.parse_args()
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
-    if bad := [f for f in forms if f not in ("auto", "amx", "vdpbf16ps", "fma")]:
+    if bad := [f for f in forms if f not in ("auto", "amx", "vdpbf16ps", "fma", "amx_inexact")]:
         ap.error(f"unknown --forms {bad}")
     if args.threads:
         torch.set_num_threads(args.threads)  # the torch baseline gets the same cores
@@ -258,6 +259,9 @@ def main() -> None:
     elif "amx" in forms and not amx["active"]:
         forms = [f for f in forms if f != "amx"] or ["auto"]
         print(f"--forms: amx dropped (AMX not active: {amx['reason']})", flush=True)
+    if "amx_inexact" in forms and not amx["os"]:
+        forms = [f for f in forms if f != "amx_inexact"] or ["auto"]
+        print(f"--forms: amx_inexact dropped (no AMX tiles: {amx['reason']})", flush=True)
     log(f"# {info['cpu']} ({info['cores']} cores), isa {info['isa']}, torch {info['torch']}")
     log(f"# scoring forms: {info['dot_forms']['few_rows']} for 1..15 rows, {info['dot_forms']['many_rows']} for "
         f"16+ rows; AMX {'active' if amx['active'] else 'off: ' + amx['reason']}; self-check: {amx['selfcheck']}")

@@ -90,7 +90,9 @@ def set_dot_form(mode: str) -> None:
     """How the AVX-512 path forms bf16 dot products (the same bits in every form): 'fma', 'vdpbf16ps'
     (slow on some CPUs), 'amx' (tiles for 16 or more query rows per KV head; needs amx_status()
     ['active']; fewer rows take the auto form) or 'auto' (AMX where active, else the faster of the
-    other two, measured once per process)."""
+    other two, measured once per process). 'amx_inexact' is the one form outside the contract: AMX tiles
+    wherever the OS grants them, even where the self-check found this CPU's TDPBF16PS rounding differently
+    (the H200 host's does), so its scores may differ in the last bit and its positions at near-ties."""
     _ext().set_dot(mode)
 
 
