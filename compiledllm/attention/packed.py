@@ -97,7 +97,7 @@ def packed_attention_ref(
 
 
 @functools.cache
-def _warn_no_cupy() -> None:
+def _warn_no_kernel() -> None:
     warnings.warn(
         "compiledllm: CUDA tensors but neither Triton nor CuPy is installed (install compiledllm[cupy-cuda13]); "
         "using the slower torch reference for packed attention",
@@ -123,7 +123,7 @@ def _auto_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     for name in CUDA_BACKENDS:
         if usable[name]:
             return name
-    _warn_no_cupy()
+    _warn_no_kernel()
     return "torch"
 
 

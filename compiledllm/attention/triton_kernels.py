@@ -30,12 +30,12 @@ def _update(q, k, v, seen, m_i, l_i, acc, scale_log2):
 @triton.jit
 def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_ptr, ws_o_ptr, ws_l_ptr,
                     q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
-                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, S, n_out_rows, scale_log2,
-                    LQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, SLOT: tl.constexpr,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
+                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, S, n_out_rows, scale_log2, LQ, SLOT, NSPLIT,
+                    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     WRITE_LSE: tl.constexpr):
+    # LQ, SLOT and NSPLIT are runtime values: prefill chunks of every length share one compiled kernel.
     G: tl.constexpr = H // KVH
-    ROWS: tl.constexpr = G * LQ
+    ROWS = G * LQ
     bh = tl.program_id(1)
     split = tl.program_id(2)
     b = (bh // KVH).to(tl.int64)  # batch offsets of a large cache pass 2^31 elements
@@ -96,8 +96,8 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
 
 
 @triton.jit
-def packed_attn_combine(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, n_out_rows, LQ: tl.constexpr, H: tl.constexpr,
-                        D: tl.constexpr, NSPLIT: tl.constexpr, RB: tl.constexpr, WRITE_LSE: tl.constexpr):
+def packed_attn_combine(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, n_out_rows, LQ, NSPLIT, H: tl.constexpr,
+                        D: tl.constexpr, RB: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Merge the splits' normalised partials by their lse: RB output rows (b, i, h) per program."""
     row = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     ok = row < n_out_rows

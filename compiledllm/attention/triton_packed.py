@@ -71,11 +71,11 @@ def packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win
     strides = [x for t in (q, k_cache, v_cache, k_win, v_win) for x in t.stride()[:3]]
     packed_attn_fwd[(row_tiles, B * KVH, ns)](
         q, k_cache, v_cache, k_win, v_win, prefix_len, out, lse, ws_o, ws_l, *strides, S, n_out,
-        scale * math.log2(math.e), LQ=Lq, H=H, KVH=KVH, SLOT=slot, D=D, BM=tile.block_m, BN=tile.block_n,
-        NSPLIT=ns, WRITE_LSE=return_lse, num_warps=tile.warps, num_stages=tile.stages)
+        scale * math.log2(math.e), Lq, slot, ns, H=H, KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n,
+        WRITE_LSE=return_lse, num_warps=tile.warps, num_stages=tile.stages)
     if ns > 1:
         rb = 16
-        packed_attn_combine[(-(-n_out // rb),)](ws_o, ws_l, out, lse, n_out, LQ=Lq, H=H, D=D, NSPLIT=ns, RB=rb,
+        packed_attn_combine[(-(-n_out // rb),)](ws_o, ws_l, out, lse, n_out, Lq, ns, H=H, D=D, RB=rb,
                                                 WRITE_LSE=return_lse, num_warps=4)
     return out, lse
 
