@@ -16,7 +16,7 @@ POLICIES = [{"name": "threshold", "block_size": 8, "threshold": 0.6},
 
 
 def gpu_model(tmp_path, arch: str, dtype, seed: int = 11):
-    # head_dim 64 so the CuPy packed-attention kernel (D 64/128) is the one that runs in bf16
+    # head_dim 64 so a packed-attention kernel (D 64/128: Triton, else CuPy) is what runs in bf16
     ckpt = write_checkpoint(tmp_path / f"{arch}{seed}", arch, seed, head_dim=64)
     return compiledllm.load_model(ckpt, device="cuda", dtype=dtype)
 
