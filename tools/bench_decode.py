@@ -220,7 +220,7 @@ def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", default="llada2.0-mini:4096,32768;sdar-8b:4096,16384",
+    ap.add_argument("--plan", default="llada2.0-mini:4096,16384,32768;sdar-8b:4096,16384",
                     help="preset:context,context;... (contexts in tokens)")
     ap.add_argument("--batches", default="1,8,32,64,max")
     ap.add_argument("--modes", default="eager,graphs")
