@@ -160,28 +160,21 @@ def test_kernel_shapes(dtype, D, Lq, G, backend):
     check_kernel(inputs, 8, scale=0.1, backend=backend)
 
 
+TILE_CASES = [pytest.param(b.values[0], t, marks=b.marks) for b in BACKENDS
+              for t in {"cupy": ["w4", "w8", "w4m2", "w8s"], "triton": ["m128n64", "m128n128", "m64n64", "m64n128"]}[b.values[0]]]
+
+
 @gpu
 @needs_kernel
-@pytest.mark.skipif(not HAS_CUPY, reason="CuPy not installed (compiledllm[cupy-cuda13])")
-@pytest.mark.parametrize("tile", ["w4", "w8", "w4m2", "w8s"])
+@pytest.mark.parametrize("backend,tile", TILE_CASES)
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_kernel_tiles_and_splits(tile, splits):
+def test_kernel_tiles_and_splits(backend, tile, splits):
     from compiledllm.attention.cupy_packed import TILES
-
-    inputs = make_inputs(2, 1500, 64, 8, 2, 128, dtype=torch.bfloat16, device="cuda", prefix=[1500, 77])
-    check_kernel(inputs, 32, tile=TILES[tile], splits=splits)
-
-
-@gpu
-@needs_kernel
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
-@pytest.mark.parametrize("tile", ["m128n64", "m128n128", "m64n64", "m64n128"])
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_triton_tiles_and_splits(tile, splits):
     from compiledllm.attention.triton_packed import TRITON_TILES
 
     inputs = make_inputs(2, 1500, 64, 8, 2, 128, dtype=torch.bfloat16, device="cuda", prefix=[1500, 77])
-    check_kernel(inputs, 32, backend="triton", tile=TRITON_TILES[tile], splits=splits)
+    tiles = TILES if backend == "cupy" else TRITON_TILES
+    check_kernel(inputs, 32, backend=backend, tile=tiles[tile], splits=splits)
 
 
 @gpu
