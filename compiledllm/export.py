@@ -121,7 +121,7 @@ class ExportedModel:
         return self.runners[batch]
 
     def __call__(self, input_ids, positions, attn_meta, kv: KVCache | None = None, logits_index=None,
-                 float_logits: bool = True):  # the packages return float32 logits either way
+                 float_logits: bool = True, logits_rows=None, layers=None):  # float32 logits of every row
         if isinstance(attn_meta, DenseAttention):
             return self._runner(input_ids.shape[0])(input_ids, positions, attn_meta.mask, logits_index)
         bk = self.block_size

@@ -4,7 +4,8 @@
 llada2.0-mini, sdar-8b). For each context and batch the slot state is built directly: every row has a
 `context`-token prefix whose KV is filled with random values and decodes a fresh block after it. The decode
 step (forward of every row's block against its cached prefix + acceptance) is timed eagerly and as a
-replayed CUDA graph (optionally compiled + captured) with CUDA events, and compared with the roofline
+replayed CUDA graph (optionally compiled + captured) with CUDA events as the mean over a block's 20 steps
+(the head computes only the still-masked rows, so a block's steps differ), and compared with the roofline
 step time from ceilings measured in the same run: max(bytes / HBM bandwidth, FLOPs / bf16 matmul rate)
 over weights read, KV read and the head.
 
@@ -29,14 +30,26 @@ from compiledllm.engine.step import block_logits, decode_step
 from compiledllm.engine.stepper import Stepper
 from compiledllm.kv.cache import KVCache
 from compiledllm.loader import build_random
+from compiledllm.models.head import head_logits
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 BLOCK, STEPS = 32, 20
 
 
+def masked_share() -> float:
+    """The mean share of a block's positions still masked at a step, over a block's STEPS steps under the fixed
+    schedule (the head's rows: it computes only those)."""
+    left, total = BLOCK, 0
+    for step in range(STEPS):
+        total += left
+        left -= BLOCK // STEPS + (step < BLOCK % STEPS)
+    return total / (STEPS * BLOCK)
+
+
 def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None) -> dict:
-    """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape. `touched`:
-    the distinct routed experts each MoE layer really used; without it, the expectation under uniform routing."""
+    """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape, as a mean over a
+    block's steps (head FLOPs for the still-masked rows). `touched`: the distinct routed experts each MoE layer
+    really used; without it, the expectation under uniform routing."""
     tokens = batch * BLOCK
     d, L, H, KVH, hd, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
     attn = d * (H + 2 * KVH) * hd + H * hd * d
@@ -53,7 +66,7 @@ def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None) 
         read = active = L * (attn + dense)
     weight_bytes = 2 * (read + V * d)
     kv_bytes = batch * L * 2 * KVH * hd * 2 * (context + BLOCK)
-    flops = 2 * tokens * (active + V * d) + 4 * batch * BLOCK * (context + BLOCK) * H * hd * L
+    flops = 2 * tokens * (active + masked_share() * V * d) + 4 * batch * BLOCK * (context + BLOCK) * H * hd * L
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops}
 
 
@@ -77,6 +90,24 @@ def synthetic_state(model, policy, batch: int, context: int) -> tuple[SlotState,
     kv.k.normal_()
     kv.v.normal_()
     return st, kv
+
+
+def cycle_ms(run, repeats: int = 3) -> float:
+    """Mean step time over STEPS consecutive steps: with tau 1.0 a block takes exactly STEPS forwards, so that
+    is every phase of a block once (the head computes only the still-masked rows: a block's steps differ).
+    Median over `repeats` cycles, after 2 warm-up steps."""
+    for _ in range(2):
+        run()
+    cycles = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(STEPS):
+            run()
+        b.record()
+        b.synchronize()
+        cycles.append(a.elapsed_time(b) / STEPS)
+    return sorted(cycles)[len(cycles) // 2]
 
 
 def max_batch(model, context: int) -> int:
@@ -132,7 +163,8 @@ def step_split(model, policy, st, kv, idx) -> dict:
         "attn_kernel": lambda: packed_attention(q, lkv.k, lkv.v, meta.prefix_len, k, v, BLOCK),
         "first_mlp_sublayer": lambda: first.mlp(first.post_norm(h)),
         "mlp_sublayer": lambda: layer.mlp(layer.post_norm(h)),
-        "head": lambda: (model.norm(h) @ head.t()).float(),
+        "head_all_rows": lambda: model.norm(h) @ head.t(),
+        "head_needed_rows": lambda: head_logits(model.norm(h), head, policy.needed(window, gen, st.policy)),
         "policy_update": lambda: policy.update(window, logits, gen, st.policy),
     }
     if hasattr(layer.mlp, "backend"):
@@ -155,7 +187,8 @@ def step_split(model, policy, st, kv, idx) -> dict:
             out[name] = graph_ms(fn)
         except Exception as e:  # a piece that cannot run (e.g. no Triton) is reported, not fatal
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    num = [out.get(n) for n in ("embed", "attn_sublayer", "first_mlp_sublayer", "mlp_sublayer", "head", "policy_update")]
+    num = [out.get(n) for n in ("embed", "attn_sublayer", "first_mlp_sublayer", "mlp_sublayer", "head_needed_rows",
+                                "policy_update")]
     if all(isinstance(t, float) for t in num):
         emb, attn, first_mlp, mlp, hd, upd = num
         out["sum_ms"] = emb + cfg.num_layers * attn + first_mlp + (cfg.num_layers - 1) * mlp + hd + upd
@@ -168,20 +201,22 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
     idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
     with torch.no_grad():
         if "eager" in modes:
-            rec["eager_ms"] = time_ms(lambda: decode_step(model, policy, st, kv), 8)
+            rec["eager_ms"] = cycle_ms(lambda: decode_step(model, policy, st, kv), 1)
             window = st.seq.gather(1, idx)
             rec["eager_forward_ms"] = time_ms(lambda: block_logits(model, st, idx, window, kv), 8)
         for mode in [m for m in modes if m != "eager"]:
             t0 = time.perf_counter()
-            stepper = Stepper(model, policy, st, kv, [batch], compile=mode == "compiled+graphs", cuda_graphs=True)
+            # compiled+graphs: regional compilation (the engine's); compiled-whole+graphs: the step as one graph
+            stepper = Stepper(model, policy, st, kv, [batch], compile=mode != "graphs", cuda_graphs=True,
+                              regional=mode != "compiled-whole+graphs")
             rec[f"{mode}_startup_s"] = time.perf_counter() - t0
-            rec[f"{mode}_ms"] = time_ms(lambda: stepper.run(batch), 20)
+            rec[f"{mode}_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
         if moe_ab and moe_layers(model) and "graphs" in modes:  # the grouped-GEMM MoE in the same run
             for m in moe_layers(model):
                 m.backend = "grouped_mm"
             stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
-            rec["graphs_grouped_mm_ms"] = time_ms(lambda: stepper.run(batch), 20)
+            rec["graphs_grouped_mm_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
             for m in moe_layers(model):
                 m.backend = "auto"
@@ -190,7 +225,7 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
             for name in ("cupy", "triton"):
                 packed.CUDA_BACKENDS = (name,)
                 stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
-                rec[f"graphs_attn_{name}_ms"] = time_ms(lambda: stepper.run(batch), 20)
+                rec[f"graphs_attn_{name}_ms"] = cycle_ms(lambda: stepper.run(batch))
                 del stepper
             packed.CUDA_BACKENDS = auto
         if split:
@@ -223,7 +258,8 @@ def main() -> None:
     ap.add_argument("--plan", default="llada2.0-mini:4096,16384,32768;sdar-8b:4096,16384",
                     help="preset:context,context;... (contexts in tokens)")
     ap.add_argument("--batches", default="1,8,32,64,max")
-    ap.add_argument("--modes", default="eager,graphs")
+    ap.add_argument("--modes", default="eager,graphs",
+                    help="eager, graphs, compiled+graphs (regional compile), compiled-whole+graphs (one graph per step)")
     ap.add_argument("--out", default="docs/results/bench_decode.json")
     ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
     ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")

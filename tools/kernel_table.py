@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--modes", default="eager,compiled")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps profiled (default: one block's, every phase once)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="kernels.json")
     args = ap.parse_args()

@@ -5,10 +5,10 @@ import torch.nn.functional as F
 
 from compiledllm.attention.metadata import DenseAttention, WindowAttention
 from compiledllm.attention.packed import packed_attention
-from compiledllm.kv.cache import LayerKV
+from compiledllm.kv.cache import IndexedLayerKV, LayerKV
 
 
-def attend(q, k, v, positions, meta, kv_layer: LayerKV | None):
+def attend(q, k, v, positions, meta, kv_layer: LayerKV | IndexedLayerKV | None):
     """q [B, L, H, D], k/v [B, L, KVH, D] -> [B, L, H, D]; the forward's K/V go to kv_layer.write."""
     if isinstance(meta, WindowAttention):
         out = packed_attention(q, kv_layer.k, kv_layer.v, meta.prefix_len, k, v, meta.slot)

@@ -5,6 +5,9 @@ are masks, never host branches, so the same function runs eagerly, under torch.c
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from compiledllm.attention.metadata import DenseAttention, WindowAttention
@@ -15,32 +18,46 @@ from compiledllm.policies.base import Policy
 from compiledllm.profiling import phase
 
 
+@dataclass(frozen=True)
+class Regions:
+    """Compiled forms of the step's pieces (stepper.compiled_regions): the decoder layers and the acceptance."""
+
+    layers: tuple
+    accept: Callable
+
+
 def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, window: torch.Tensor,
-                 kv: KVCache | None) -> torch.Tensor:
-    """Logits [B, Bk, V] (the model's dtype) of each row's block window (tokens `window` at positions idx [B, Bk])."""
+                 kv: KVCache | None, need: torch.Tensor | None = None, layers=None) -> torch.Tensor:
+    """Logits [B, Bk, V] (the model's dtype) of each row's block window (tokens `window` at positions idx [B, Bk]);
+    with `need` [B, Bk] bool only those rows are defined; `layers`: what runs as the decoder layers."""
     if model.bidirectional:
         # Bidirectional models forward the whole working sequence each step (no cache); padding keys are hidden.
         B, T = st.seq.shape
         pos = torch.arange(T, device=st.seq.device).expand(B, T)
         visible = (pos < st.work_len[:, None])[:, None, :]  # [B, 1, T] -> every query sees the row's sequence
-        return model(st.seq, pos, DenseAttention(visible), logits_index=idx, float_logits=False)
-    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv, float_logits=False)
+        return model(st.seq, pos, DenseAttention(visible), logits_index=idx, float_logits=False, logits_rows=need,
+                     layers=layers)
+    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv, float_logits=False,
+                 logits_rows=need, layers=layers)
 
 
-def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None) -> None:
+def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None,
+                regions: Regions | None = None) -> None:
+    """One step of every slot; `regions`: compiled forms of the layers and the acceptance (default: eager)."""
     block = policy.block_size
     T = st.seq.shape[1]
     idx = (st.block_start[:, None] + torch.arange(block, device=st.seq.device)).clamp(max=T - 1)
     window = st.seq.gather(1, idx)
-    logits = block_logits(model, st, idx, window, kv)
+    gen = idx >= st.prompt_len[:, None]
+    logits = block_logits(model, st, idx, window, kv, policy.needed(window, gen, st.policy),
+                          None if regions is None else regions.layers)
     with phase("acceptance"):
-        _accept(model, policy, st, idx, window, logits)
+        (accept_step if regions is None else regions.accept)(model, policy, st, idx, window, gen, logits)
 
 
-def _accept(model: BlockDiffusionLM, policy: Policy, st: SlotState, idx, window, logits) -> None:
+def accept_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, idx, window, gen, logits) -> None:
     """The policy's update plus per-row bookkeeping: block ends, EOS stop, step counts."""
     block = policy.block_size
-    gen = idx >= st.prompt_len[:, None]
     new_window, block_done, pstate = policy.update(window, logits, gen, st.policy)
 
     act = st.active

@@ -6,12 +6,13 @@ a replay runs the whole step (forward, acceptance, bookkeeping) with no host wor
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from compiledllm.engine.state import SlotState
-from compiledllm.engine.step import decode_step
+from compiledllm.engine.step import Regions, accept_step, decode_step
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies.base import Policy
@@ -22,16 +23,31 @@ def default_buckets(slots: int) -> list[int]:
     return sizes + [slots]
 
 
+def compiled_regions(model: BlockDiffusionLM, buckets: int) -> Regions:
+    """Regional compilation of the decode step: each decoder layer is a compiled region, and the layers of a kind
+    share one compiled graph per bucket (same code, parameters as inputs), so start-up compiles ~2 layers and the
+    acceptance per bucket instead of the whole unrolled model; the few ops between regions (embedding, rotary
+    tables, head) run eagerly, inside the CUDA graph like the rest. The model itself stays uncompiled (prefill
+    chunks of every length run it eagerly). Static shapes per bucket keep the generated kernels specialised."""
+    kinds = len({type(layer.mlp) for layer in model.layers})
+    # the layers' regions share one code object: room for each kind x bucket
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, kinds * buckets + 2)
+    layers = tuple(torch.compile(layer, fullgraph=True, dynamic=False) for layer in model.layers)
+    return Regions(layers, torch.compile(accept_step, fullgraph=True, dynamic=False))
+
+
 class Stepper:
     def __init__(self, model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None,
-                 buckets: list[int], compile: bool, cuda_graphs: bool):
+                 buckets: list[int], compile: bool, cuda_graphs: bool, regional: bool = True):
         self.model, self.policy = model, policy
         self.buckets = sorted(set(buckets))
-        self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b)) for b in self.buckets}
-        if compile:
-            # One compiled graph per bucket shape (static shapes keep the generated kernels specialised).
+        whole = compile and not regional
+        self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b, indexed=whole)) for b in self.buckets}
+        if whole:  # the whole step as one graph per bucket (benchmarks' A/B; slow to compile)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 2)
             self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        elif compile:
+            self.fn = functools.partial(decode_step, regions=compiled_regions(model, len(self.buckets)))
         else:
             self.fn = decode_step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -8,6 +8,7 @@ from torch import nn
 
 from compiledllm.attention.metadata import DenseAttention, block_causal_mask
 from compiledllm.models.config import ModelConfig
+from compiledllm.models.head import head_logits
 from compiledllm.models.layers import DecoderLayer, RMSNorm, Rotary
 from compiledllm.profiling import phase
 
@@ -46,21 +47,24 @@ class BlockDiffusionLM(nn.Module, ABC):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def forward(self, input_ids, positions, attn_meta, kv=None, logits_index=None, float_logits=True) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn_meta, kv=None, logits_index=None, float_logits=True,
+                logits_rows=None, layers=None) -> torch.Tensor:
         """input_ids/positions [B, L]; kv: a KVCache (or None); logits_index [B, K] picks the positions
         whose logits are wanted (all when None). Returns logits [B, L or K, V]: float32, or with
         float_logits=False in the model's dtype (the decode step: its confidence reads them as they are, which
-        spares writing and reading a float32 copy of the vocabulary-wide logits)."""
+        spares writing and reading a float32 copy of the vocabulary-wide logits). logits_rows [B, L or K] bool:
+        the rows whose logits are read; others may hold anything (the head may skip them, head.py). layers: what
+        runs as the decoder layers (default self.layers; the decode step passes compiled regions of them)."""
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers if layers is None else layers):
             h = layer(h, self.rotary, cos, sin, positions, attn_meta, None if kv is None else kv.layer(i))
         if logits_index is not None:
             h = h.gather(1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
         h = self.norm(h)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         with phase("head"):
-            logits = h @ head.t()
+            logits = head_logits(h, head, logits_rows)
             return logits.float() if float_logits else logits
 
     @torch.no_grad()

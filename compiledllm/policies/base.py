@@ -78,9 +78,14 @@ class Policy(ABC):
         """Per-row state buffers (zeros = the state at the start of a block)."""
         return {}
 
+    def needed(self, window: torch.Tensor, gen: torch.Tensor, state: State) -> torch.Tensor:
+        """[B, Bk] bool: the window positions whose logits `update` reads (the head may skip the others)."""
+        return gen
+
     @abstractmethod
     def update(self, window: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
-        """window [B, Bk] tokens, logits [B, Bk, V] (the model's dtype; policies compute in float32), gen [B, Bk] bool (generated, changeable positions).
+        """window [B, Bk] tokens, logits [B, Bk, V] (the model's dtype; policies compute in float32; defined at the
+        `needed` positions), gen [B, Bk] bool (generated, changeable positions).
         Returns (new_window [B, Bk], block_done [B] bool, new_state). A block is done when the forward just
         made saw its final tokens (so that forward's KV is the block's KV)."""
 

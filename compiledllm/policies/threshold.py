@@ -43,8 +43,11 @@ class ThresholdPolicy(Policy):
     def init_state(self, batch: int, device) -> State:
         return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
 
+    def needed(self, window, gen, state):
+        return (window == self.mask_id) & gen
+
     def update(self, window, logits, gen, state):
-        masked = (window == self.mask_id) & gen
+        masked = self.needed(window, gen, state)
         v, p = confidence(logits, self.mask_id, masked)
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
