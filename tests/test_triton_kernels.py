@@ -1,4 +1,5 @@
-"""The Triton kernels (MoE routing, routed experts, confidence) against their torch forms (GPU only)."""
+"""The Triton kernels (MoE routing, routed experts with their sort and combine, confidence) against their
+torch forms (GPU only)."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +69,61 @@ def test_rows_do_not_depend_on_the_batch():
             assert torch.equal(moe._routed(x[:n], ids[:n], w[:n]), full[:n]), n
 
 
+@pytest.mark.parametrize("routing", ["random", "same", "skewed"])
+def test_sort_prelude(routing):
+    """Offsets and row tiles exact, order an expert-grouped permutation of the pairs, output bitwise the same
+    over runs although the atomics place the pairs within an expert differently each run ("same": 2048
+    tokens on experts 0..7, 2048 atomic adds on each counter)."""
+    T, E, k = 2048, 256, 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    if routing == "same":
+        ids = torch.arange(k, device="cuda").expand(T, k).contiguous()
+    else:
+        hot = 16 if routing == "skewed" else E  # skewed: every token within 16 experts, the other 240 empty
+        ids = torch.rand(T, hot, device="cuda", generator=g).topk(k, dim=-1).indices
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=E).int()
+    order, offs, tile_end = moe_triton.sort_pairs(ids, E, (16, 64))
+    assert torch.equal(offs, torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)))
+    for row, bm in zip(tile_end, (16, 64)):
+        assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32))
+    assert torch.equal(order.sort().values, torch.arange(T * k, dtype=torch.int32, device="cuda"))
+    assert torch.equal(flat[order.long()], flat.sort().values)
+    moe = moe_layer(E, k, 2048, 512)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    moe.backend = "triton"
+    with torch.no_grad():
+        out = moe._routed(x, ids, w)
+        for _ in range(3):
+            assert torch.equal(moe._routed(x, ids, w), out)
+        ref = reference(moe, x[:64], ids[:64], w[:64])  # float64 over all 2048 tokens would need 256 GiB
+    assert (out[:64].double() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+def test_compiled_and_captured():
+    """The op under torch.compile (fullgraph) and replayed from a CUDA graph equals the eager call."""
+    moe = moe_layer(256, 8, 2048, 512)
+    moe.backend = "triton"
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, w = moe.route(x)
+        eager = moe._routed(x, ids, w)
+        compiled = torch.compile(moe._routed, fullgraph=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compiled(x, ids, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(x, ids, w)
+        for _ in range(2):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("experts,groups,topk_group,top_k", [(256, 8, 4, 8), (32, 2, 1, 4), (128, 4, 2, 6), (64, 1, 1, 6)])
 def test_fused_routing_equals_torch_routing(experts, groups, topk_group, top_k):
     cfg = MoEConfig(num_experts=experts, expert_dim=16, top_k=top_k, num_shared=0, n_group=groups,
@@ -104,3 +160,18 @@ def test_fused_confidence_equals_softmax_form(vocab, mask_id):
         assert v[1, 2].item() == 3
         torch.testing.assert_close(p[need], ref_p[need], rtol=1e-5, atol=1e-7)
         assert (v[~need] == mask_id).all() and (p[~need] == -1).all()
+
+
+def test_bf16_router_logits_match_the_float32_upcast():
+    """The tensor-core router GEMM (bf16 in, float32 out) equals the upcast float32 GEMM up to the order of the
+    float32 sums, and picks the same experts (LLaDA2.0-mini's router at batch 32)."""
+    from compiledllm.models.layers import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1024, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    gate = (torch.randn(256, 2048, device="cuda", generator=g) * 2048 ** -0.5).to(torch.bfloat16)
+    fast, ref = router_logits(x, gate), x.float() @ gate.float().t()
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    same = (fast.topk(8).indices.sort().values == ref.topk(8).indices.sort().values).all(1)
+    assert same.float().mean() > 0.99

@@ -20,24 +20,44 @@ from compiledllm.policies.base import confidence
 
 def routed() -> None:
     g = torch.Generator().manual_seed(0)
-    # (tokens, experts, top_k, dim, expert_dim, every token on the same experts)
-    for T, E, k, D, F_, same in [(5, 4, 2, 48, 16, False), (200, 4, 2, 128, 64, False), (200, 4, 2, 128, 64, True),
-                                 (60, 8, 4, 128, 128, False)]:
+    # (tokens, experts, top_k, dim, expert_dim, routing, (gate_up BM, down BM) or None for the default tiles).
+    # routing: "random"; "same": every token on experts 0..k-1 (each many row tiles, the other experts empty);
+    # "skip": experts E//2 and E-1 never chosen (empty experts inside and at the end). T*k is a multiple of
+    # none of the sort, row-tile and combine blocks.
+    cases = [(5, 4, 2, 48, 16, "random", None), (200, 4, 2, 128, 64, "random", None),
+             (203, 4, 2, 128, 64, "same", None), (61, 8, 4, 128, 128, "skip", None),
+             (37, 8, 3, 64, 32, "skip", (16, 32)), (150, 4, 2, 64, 32, "same", (32, 16))]
+    for T, E, k, D, F_, routing, bms in cases:
         x = torch.randn(T, D, generator=g).half()
         wgu = (torch.randn(E, 2 * F_, D, generator=g) * D ** -0.5).half()
         wd = (torch.randn(E, D, F_, generator=g) * F_ ** -0.5).half()
-        ids = torch.stack([torch.arange(k) if same else torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        pool = torch.tensor([e for e in range(E) if routing != "skip" or e not in (E // 2, E - 1)])
+        ids = torch.stack([torch.arange(k) if routing == "same" else pool[torch.randperm(len(pool), generator=g)[:k]]
+                           for _ in range(T)])
         w = torch.rand(T, k, generator=g)
+        tiles = bms and (moe_triton.MoETile(bms[0], moe_triton._block(F_, 64), moe_triton._block(D, 64)),
+                         moe_triton.MoETile(bms[1], moe_triton._block(D, 64), moe_triton._block(F_, 64)))
+        # the sort prelude: exact offsets and row tiles, and an expert-grouped permutation of the pairs
         flat = ids.flatten()
-        order = flat.argsort(stable=True).int()
-        counts = torch.zeros(E, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-        y = moe_triton.launch(x, wgu, wd, order, offs, w.flatten(), k)  # [k, T, D]
+        counts = torch.bincount(flat, minlength=E).int()
+        for bm_pair in [(16, 32), (64, 64)]:
+            order, offs, tile_end = moe_triton.sort_pairs(ids, E, bm_pair)
+            assert torch.equal(offs, F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))), (T, E, k, routing)
+            for row, bm in zip(tile_end, bm_pair):
+                assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32)), (T, E, k, routing, bm)
+            assert torch.equal(order.sort().values, torch.arange(T * k, dtype=torch.int32)), (T, E, k, routing)
+            assert torch.equal(flat[order.long()], flat.sort().values), (T, E, k, routing)
+        # the whole op (sort, experts, combine) against float64, the activation rounded to fp16 as stored
+        out = moe_triton.launch(x, wgu, wd, ids, w, tiles)
         gate, up = torch.einsum("td,tkfd->tkf", x.double(), wgu.double()[ids]).chunk(2, dim=-1)
         act = (F.silu(gate) * up).half().double()
-        ref = torch.einsum("tkf,tkdf->ktd", act, wd.double()[ids]) * w.double().t()[..., None]
-        err = (y.double() - ref).abs().max().item()
-        assert err <= 2e-3 * ref.abs().max().item(), (T, E, k, D, F_, same, err)
+        ref = torch.einsum("tkf,tkdf,tk->td", act, wd.double()[ids], w.double())
+        assert out.shape == (T, D) and out.dtype == x.dtype
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 2e-3 * ref.abs().max().item(), (T, E, k, D, F_, routing, bms, err)
+    # the registered op and its fake agree (shapes, dtypes, strides) on the last case
+    torch.library.opcheck(torch.ops.compiledllm.moe_routed, (x, wgu, wd, ids, w),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def routing() -> None:

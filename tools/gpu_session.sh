@@ -3,7 +3,8 @@
 # Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/gpu_session.sh
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
-# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton)
+# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton) and head
+# (tools/bench_head.py: the row-selective head against cuBLAS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,7 +17,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_gpu_engine.py \
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_head.py tests/test_gpu_engine.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if has attention; then
@@ -36,17 +37,22 @@ if has moe; then
   timeout ${MOE_TIMEOUT:-150} python3 tools/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
     | tee "$OUT/bench_moe.log" | tail -8
 fi
+if has head; then
+  timeout ${HEAD_TIMEOUT:-120} python3 tools/bench_head.py --out "$OUT/bench_head_h200.json" ${HEAD_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_head.log" | tail -8
+fi
 if has decode; then
   timeout ${BENCH_TIMEOUT:-210} python3 tools/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
 fi
 if has compiled; then
   timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
-    --batches "${COMPILED_BATCHES:-32,max}" --modes graphs,compiled+graphs --out "$OUT/bench_decode_compiled_h200.json" \
+    --batches "${COMPILED_BATCHES:-32,max}" --modes "${COMPILED_MODES:-graphs,compiled+graphs}" \
+    --out "$OUT/bench_decode_compiled_h200.json" \
     2>&1 | grep -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
 fi
 if has kernels; then
-  timeout ${KERNELS_TIMEOUT:-200} python3 tools/kernel_table.py --batch 32 --context 4096 \
+  timeout ${KERNELS_TIMEOUT:-200} python3 tools/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
     --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep -v -i warn | tail -60
 fi
 if has selection; then  # build, the CPU selection tests (AMX ones fail, not skip, on AMX hardware that misbehaves), bench
