@@ -27,10 +27,13 @@ class PhaseRow:
 
 
 def phase_times(events, cuda: bool) -> dict[str, float]:
-    """Milliseconds per phase label, counting only outermost labelled ranges (prefill holds its own layers)."""
+    """Milliseconds per phase label, counting only outermost labelled ranges (prefill holds its own layers).
+    Only the CPU-side ranges count: on CUDA a labelled range also appears as a device-side annotation spanning
+    its kernels' wall time on the GPU (idle time and other ranges' queued kernels included), which would
+    count twice. A CPU range's device time is the time of the kernels launched inside it."""
     out = {p: 0.0 for p in PHASES}
     for ev in events:
-        if not ev.name.startswith("phase::"):
+        if not ev.name.startswith("phase::") or ev.device_type != torch.autograd.DeviceType.CPU:
             continue
         parent, nested = ev.cpu_parent, False
         while parent is not None:
@@ -58,8 +61,10 @@ def top_ops(prof, cuda: bool, limit: int | None = 30) -> list[dict]:
 
 
 def busy_ms(events) -> float:
-    """Total time the GPU ran kernels (self device time of every event)."""
-    return sum(ev.self_device_time_total for ev in events) / 1000.0
+    """Total time the GPU ran kernels: each kernel once, through the CPU event that launched it (device-side
+    annotation ranges are spans, not kernels, and are left out)."""
+    cpu = torch.autograd.DeviceType.CPU
+    return sum(k.duration for ev in events if ev.device_type == cpu for k in ev.kernels) / 1000.0
 
 
 def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[str] | None = None):

@@ -251,6 +251,31 @@ def test_profile_writes_trace_report_and_chart(tmp_path):
     assert (tmp_path / "prof" / "profile.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_profile_attributes_each_cuda_kernel_once():
+    """On CUDA a labelled range also shows up as a device-side annotation spanning its kernels' GPU wall time:
+    only the CPU range counts, and busy time counts each kernel once (synthetic profiler events)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from compiledllm.profiler import busy_ms, phase_times
+
+    def event(i, name, start, end, device=DeviceType.CPU):
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, use_device="cuda",
+                             device_type=device)
+
+    attn, inner = event(1, "phase::attention", 0, 100), event(2, "aten::mm", 10, 20)
+    inner.append_kernel("gemm", 0, 30.0)
+    attn.append_kernel("attn_kernel", 0, 50.0)
+    inner.set_cpu_parent(attn)
+    attn.append_cpu_child(inner)
+    loose = event(3, "aten::add", 120, 130)
+    loose.append_kernel("add", 0, 5.0)
+    span = event(4, "phase::attention", 0, 400, DeviceType.CUDA)  # the GPU-side annotation: a 400 us span
+    events = [attn, inner, loose, span]
+    assert phase_times(events, cuda=True)["attention"] == pytest.approx(0.080)
+    assert busy_ms(events) == pytest.approx(0.085)
+
+
 def test_output_into_new_folder_and_unwritable_output(tmp_path):
     res = run_cli("run", write_recipe(tmp_path), "--output", tmp_path / "new" / "dir" / "r.jsonl")
     assert res.exit_code == 0 and (tmp_path / "new" / "dir" / "r.jsonl").exists(), res.output

@@ -4,7 +4,7 @@
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton) and head
-# (tools/bench_head.py: the row-selective head against cuBLAS)
+# (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -54,6 +54,13 @@ fi
 if has kernels; then
   timeout ${KERNELS_TIMEOUT:-200} python3 tools/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
     --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep -v -i warn | tail -60
+fi
+if has profile; then  # compiledllm profile on CUDA: 8 prompts of 4096 random ids (eager, phases attributed per kernel)
+  python3 -c "import json, random; r = random.Random(0)
+print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(4096)]}) for _ in range(8)))" > /tmp/p4k.jsonl
+  timeout ${PROFILE_TIMEOUT:-150} python3 -c "from compiledllm.cli import main; main()" profile \
+    recipes/profile_llada2_mini.yaml --set prompts_file=/tmp/p4k.jsonl --set "prompts=[]" --out "$OUT/profile" 2>&1 \
+    | grep -v -i warn | tail -16
 fi
 if has selection; then  # build, the CPU selection tests (AMX ones fail, not skip, on AMX hardware that misbehaves), bench
   if python3 setup.py build_ext --inplace -q >"$OUT/selection_build.log" 2>&1; then
