@@ -1,7 +1,9 @@
 """`compiledllm profile`: run a recipe under torch.profiler and split a step's time into phases.
 
 The run is eager (no compile, no CUDA graphs) so that each phase's kernels are attributable; the
-labelled ranges come from compiledllm.profiling.phase. Outputs a Chrome trace, a JSON report and a PNG chart.
+labelled ranges come from compiledllm.profiling.phase. An unprofiled warm-up run goes first, so that kernel
+compilation (Triton JIT), library start-up and allocator growth are not counted. A step is one decode step of
+the engine (every active slot). Outputs a Chrome trace, a JSON report and a PNG chart.
 """
 from __future__ import annotations
 
@@ -60,6 +62,12 @@ def top_ops(prof, cuda: bool, limit: int | None = 30) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_ms"])[:limit]
 
 
+def decode_steps(events) -> int:
+    """Decode steps of the engine: each runs the acceptance once (an outermost labelled range)."""
+    cpu = torch.autograd.DeviceType.CPU
+    return sum(1 for ev in events if ev.name == "phase::acceptance" and ev.device_type == cpu)
+
+
 def busy_ms(events) -> float:
     """Total time the GPU ran kernels: each kernel once, through the CPU event that launched it (device-side
     annotation ranges are spans, not kernels, and are left out)."""
@@ -73,19 +81,20 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = recipe.model.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    execute(recipe)  # warm-up, not profiled
     with profile(activities=activities) as prof:
         results, summary = execute(recipe)
         if cuda:
             torch.cuda.synchronize()
     events = prof.events()
     times = phase_times(events, cuda)
-    steps = max(summary.forwards, 1)
+    steps = max(decode_steps(events), 1)
     blocks = max(sum(r.blocks for r in results), 1)
-    decode_ms = summary.wall_s * 1000.0
-    rows = [(p, t) for p, t in times.items() if p != "prefill" and t > 0]
+    decode_ms = summary.wall_s * 1000.0  # the whole generate: prefill included, so it is a row of its own
+    rows = [(p, t) for p, t in times.items() if t > 0]
     labelled = sum(t for _, t in rows)
     if cuda:
-        gpu_busy = busy_ms(events) - times["prefill"]
+        gpu_busy = busy_ms(events)
         rows.append(("other kernels (norms, rope, embed)", max(gpu_busy - labelled, 0.0)))
         rows.append(("host gaps (GPU idle)", max(decode_ms - gpu_busy, 0.0)))
     else:

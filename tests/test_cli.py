@@ -242,7 +242,7 @@ def test_profile_writes_trace_report_and_chart(tmp_path):
     report = json.loads((tmp_path / "prof" / "profile.json").read_text())
     phases = {r["phase"]: r for r in report["phases"]}
     assert {"attention", "moe", "mlp", "projections", "head", "acceptance"} <= set(phases)
-    assert report["steps"] == report["summary"]["forwards"] > 0
+    assert 0 < report["steps"] <= report["summary"]["forwards"]  # engine steps; forwards count each slot's
     assert all(r["total_ms"] >= 0 for r in phases.values()) and phases["attention"]["total_ms"] > 0
     ops = report["top_cpu_ops"]
     assert ops and all(a["total_ms"] >= b["total_ms"] > 0 for a, b in zip(ops, ops[1:]))

@@ -212,12 +212,14 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
             rec[f"{mode}_startup_s"] = time.perf_counter() - t0
             rec[f"{mode}_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
+            torch.cuda.empty_cache()  # a new capture allocates a new private pool: hand the last one back first
         if moe_ab and moe_layers(model) and "graphs" in modes:  # the grouped-GEMM MoE in the same run
             for m in moe_layers(model):
                 m.backend = "grouped_mm"
             stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
             rec["graphs_grouped_mm_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
+            torch.cuda.empty_cache()
             for m in moe_layers(model):
                 m.backend = "auto"
         if attn_ab and "graphs" in modes:  # each packed-attention kernel in the same run
@@ -227,6 +229,7 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
                 stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
                 rec[f"graphs_attn_{name}_ms"] = cycle_ms(lambda: stepper.run(batch))
                 del stepper
+                torch.cuda.empty_cache()
             packed.CUDA_BACKENDS = auto
         if split:
             rec["split"] = step_split(model, policy, st, kv, idx)
