@@ -57,3 +57,24 @@ def test_gpu_batch_invariance(tmp_path, dtype):
     alone = [Engine(model, POLICIES[0], batch_size=1, **kw).generate([p])[0].output_ids for p in ps]
     for size in (3, 8):
         assert [r.output_ids for r in Engine(model, POLICIES[0], batch_size=size, **kw).generate(ps)] == alone, size
+
+
+def test_kv_write_kernel_equals_index_put():
+    """The KV write (one Triton kernel on CUDA) on a layer's strided view of the slot-major cache, eager and compiled."""
+    from compiledllm.kv.cache import KVCache
+
+    kv = KVCache.allocate(4, 6, 300, 4, 128, torch.bfloat16, "cuda")
+    kv.k.normal_()
+    kv.v.normal_()
+    positions = torch.stack([torch.randperm(300, device="cuda")[:32] for _ in range(6)])
+    k, v = torch.randn(6, 32, 4, 128, device="cuda").bfloat16(), torch.randn(6, 32, 4, 128, device="cuda").bfloat16()
+    ref_k, ref_v = kv.k.clone(), kv.v.clone()
+    rows = torch.arange(6, device="cuda")[:, None].expand_as(positions)
+    ref_k[:, 2].index_put_((rows, positions), k)
+    ref_v[:, 2].index_put_((rows, positions), v)
+    kv.layer(2).write(positions, k, v)
+    assert torch.equal(kv.k, ref_k) and torch.equal(kv.v, ref_v)
+    torch.compile(lambda layer, p, a, b: layer.write(p, a, b), fullgraph=True)(kv.layer(3), positions, k, v)
+    ref_k[:, 3].index_put_((rows, positions), k)
+    ref_v[:, 3].index_put_((rows, positions), v)
+    assert torch.equal(kv.k, ref_k) and torch.equal(kv.v, ref_v)
