@@ -59,8 +59,8 @@ def test_gpu_batch_invariance(tmp_path, dtype):
         assert [r.output_ids for r in Engine(model, POLICIES[0], batch_size=size, **kw).generate(ps)] == alone, size
 
 
-def test_kv_write_kernel_equals_index_put():
-    """The KV write (one Triton kernel on CUDA) on a layer's strided view of the slot-major cache, eager and compiled."""
+def test_kv_write_op_in_place_eager_and_compiled():
+    """The KV write op on a layer's strided view of the slot-major cache, eager and compiled, in place."""
     from compiledllm.kv.cache import KVCache
 
     kv = KVCache.allocate(4, 6, 300, 4, 128, torch.bfloat16, "cuda")

@@ -1,6 +1,6 @@
 """Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
 test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
-Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence,attention,head,kv_write}
+Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence,attention,head}
 The interpreter has no bf16 (numpy), so the expert and attention kernels run in fp16 here; bf16 runs on the
 GPU tests."""
 from __future__ import annotations
@@ -133,26 +133,7 @@ def head() -> None:
             assert err <= 2e-3 * ref.abs().max().item(), (T, D, V, frac, tile, err)
 
 
-def kv_write() -> None:
-    """The KV write kernel on a layer's (strided) view of the slot-major cache: only the given positions change."""
-    from compiledllm.kv.cache import KVCache, triton_write
-
-    g = torch.Generator().manual_seed(0)
-    kv = KVCache.allocate(3, 4, 40, 2, 16, torch.float16, "cpu")
-    kv.k.normal_(generator=g)
-    kv.v.normal_(generator=g)
-    before_k, before_v = kv.k.clone(), kv.v.clone()
-    positions = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(4)])
-    k, v = torch.randn(4, 6, 2, 16, generator=g).half(), torch.randn(4, 6, 2, 16, generator=g).half()
-    layer = kv.layer(1)
-    triton_write(layer.k, layer.v, positions, k, v)
-    rows = torch.arange(4)[:, None].expand_as(positions)
-    before_k[:, 1].index_put_((rows, positions), k)
-    before_v[:, 1].index_put_((rows, positions), v)
-    assert torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
-
-
 if __name__ == "__main__":
-    {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "head": head,
-     "kv_write": kv_write}[sys.argv[1]]()
+    {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "head": head}[
+        sys.argv[1]]()
     print("ok")

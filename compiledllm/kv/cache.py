@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiledllm.triton_support import triton_on_cuda
-
 
 @torch.library.custom_op("compiledllm::kv_write", mutates_args=("k_cache", "v_cache"))
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
@@ -17,30 +15,10 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tens
     An op rather than traced indexing: Inductor autotunes a generated kernel that mutates an input on a clone of
     every byte the input's strides span, which for a layer's view of the slot-major cache is the whole cache
     (all layers): our reading (from Inductor's source, not re-run) of the out-of-memory error when batch 60 / 32K
-    was compiled on the H200. One Triton kernel for K and V where Triton runs, else two index_put_."""
-    if _triton_layout(k_cache, v_cache) and triton_on_cuda():
-        triton_write(k_cache, v_cache, positions, k, v)
-        return
+    was compiled on the H200. In the op the writes are two index_put_, as in the eager step."""
     rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
     k_cache.index_put_((rows, positions), k)
     v_cache.index_put_((rows, positions), v)
-
-
-def _triton_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The kernel's layout: per position, the caches' (KVH, D) contiguous and laid out alike."""
-    inner = lambda t: t.stride(3) == 1 and t.stride(2) == t.shape[3]  # noqa: E731
-    return k_cache.is_cuda and inner(k_cache) and inner(v_cache) and k_cache.stride() == v_cache.stride()
-
-
-def triton_write(k_cache, v_cache, positions, k, v) -> None:
-    """kv_write as one Triton kernel (caller checks the layout; the interpreter tests call it on the CPU)."""
-    from compiledllm.kv.write_kernel import kv_write_kernel
-
-    B, L = positions.shape
-    k, v = k.contiguous(), v.contiguous()
-    row = k_cache.shape[2] * k_cache.shape[3]
-    kv_write_kernel[(B * L,)](k_cache, v_cache, positions.contiguous(), k, v, L, k_cache.stride(0), k_cache.stride(1),
-                              k.stride(0), k.stride(1), ROW=row, ROW_P2=1 << (row - 1).bit_length())
 
 
 @dataclass(frozen=True)
