@@ -120,10 +120,12 @@ def write_chart(table: list[PhaseRow], summary: Summary, path: Path) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(table) + 1.2))
-    ax.barh([r.phase for r in table][::-1], [r.per_step_ms for r in table][::-1], color="#4477aa")
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 1.4))
+    bars = ax.barh([r.phase for r in table][::-1], [r.per_step_ms for r in table][::-1], color="#4477aa")
+    ax.bar_label(bars, fmt="%.2f", padding=3, fontsize=8)
+    ax.margins(x=0.15)
     ax.set_xlabel("ms per step")
-    ax.set_title(f"{summary.model} · {summary.policy} · {summary.device}: where a step's time goes")
+    ax.set_title(f"{summary.model} · {summary.policy} · {summary.device}\nwhere a step's time goes")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
