@@ -436,3 +436,22 @@ def test_compiled_equals_eager(ckpt_dirs, name, policy, block):
     compiled = [list(r.output_ids) for r in generate(model, prompts, pol, compile=True, **kw)]
     assert compiled == eager
     assert len({len(e) for e in eager}) > 1, "rows should stop at different steps"
+
+
+def test_regional_compile_shares_one_graph_per_layer_kind():
+    """compile: true compiles each layer kind once per bucket (plus the acceptance), not each of the layers:
+    start-up time must not grow with depth. The built-in tiny LLaDA2 has a dense first layer and MoE layers."""
+    from torch._dynamo.utils import counters
+
+    model = compiledllm.load_model("compiledllm/assets/tiny-llada2")
+    kinds = len({type(layer.mlp) for layer in model.layers})
+    assert len(model.layers) > kinds
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    pol = {"name": "threshold", "block_size": 32, "threshold": 0.9}
+    compiled = generate(model, prompts, pol, max_new_tokens=32, compile=True, batch_size=2)
+    buckets = 1  # without CUDA graphs the CPU engine runs one bucket: the batch size
+    assert counters["stats"]["unique_graphs"] == (kinds + 1) * buckets
+    eager = generate(model, prompts, pol, max_new_tokens=32, compile=False, batch_size=2)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
