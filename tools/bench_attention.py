@@ -30,6 +30,7 @@ BATCHES = [1, 8, 32, 64]
 PREFIXES = [1024, 4096, 16384, 32768]
 QLENS = [32, 64]
 D = 128
+SWEEP_CASES = [(32, 4096, 32), (32, 32768, 32), (64, 4096, 32), (8, 32768, 32), (64, 16384, 64)]  # B, prefix, Lq
 SDPA_BYTES_LIMIT = 24 << 30  # skip SDPA-dense where its math path would need more than this
 
 
@@ -277,7 +278,7 @@ def main() -> None:
 
     if args.sweep:
         for H, KVH in HEADS:
-            for B, prefix, Lq in [(8, 4096, 32), (8, 16384, 64), (32, 4096, 64), (32, 16384, 32), (64, 32768, 64)]:
+            for B, prefix, Lq in SWEEP_CASES:
                 c = make_case(pool, H, KVH, B, prefix, Lq, Lq, seed=B * prefix + Lq)
                 for name, t in TRITON_TILES.items():  # each Triton tile, with the default CUDA tile beside it
                     r = run_config(c, ceil, flex, with_baselines=False, triton_tile=t)  # graph-replay times

@@ -14,10 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _update(q, k, v, seen, m_i, l_i, acc, scale_log2):
-    """One K/V tile into the online softmax (log2 domain); seen [BM, BN] masks scores out."""
+def _update(q, k, v, seen, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
+    """One K/V tile into the online softmax (log2 domain); seen [BM, BN] masks scores out when MASKED (full
+    prefix tiles skip the select: the loop is bound by the matrix unit and this elementwise work beside it)."""
     s = tl.dot(q, tl.trans(k)) * scale_log2
-    s = tl.where(seen, s, float("-inf"))
+    if MASKED:
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep the exps at 0
     alpha = tl.exp2(m_i - base)
@@ -61,12 +63,19 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
     t_hi = tl.minimum(ntp, t_lo + per)
     kb = kc_ptr + b * kc_sb + kvh * kc_sh
     vb = vc_ptr + b * vc_sb + kvh * vc_sh
-    for t in range(t_lo, t_hi):
+    # Whole tiles need no mask (rows past ROWS read q = 0: finite scores, never stored); then the partial one.
+    t_full = tl.minimum(t_hi, tl.maximum(t_lo, ob // BN))
+    for t in range(t_lo, t_full):
+        keys = t * BN + n
+        k = tl.load(kb + keys[:, None] * kc_st + d[None, :])
+        v = tl.load(vb + keys[:, None] * vc_st + d[None, :])
+        m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, scale_log2, False)
+    for t in range(t_full, t_hi):
         keys = t * BN + n
         live = keys < ob
         k = tl.load(kb + keys[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(vb + keys[:, None] * vc_st + d[None, :], mask=live[:, None], other=0.0)
-        m_i, l_i, acc = _update(q, k, v, live[None, :] & row_ok[:, None], m_i, l_i, acc, scale_log2)
+        m_i, l_i, acc = _update(q, k, v, live[None, :], m_i, l_i, acc, scale_log2, True)
 
     if split == NSPLIT - 1:  # the window: up to the end of the last slot a row here can see
         i_max = (tl.minimum(tl.program_id(0) * BM + BM, ROWS) - 1) // G
@@ -79,7 +88,7 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
             k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(vwb + keys[:, None] * vw_st + d[None, :], mask=live[:, None], other=0.0)
             seen = live[None, :] & ((keys[None, :] // SLOT) <= (i[:, None] // SLOT)) & row_ok[:, None]
-            m_i, l_i, acc = _update(q, k, v, seen, m_i, l_i, acc, scale_log2)
+            m_i, l_i, acc = _update(q, k, v, seen, m_i, l_i, acc, scale_log2, True)
 
     inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))

@@ -28,6 +28,11 @@ class TritonTile:
 
 TRITON_TILES = {
     "m128n64": TritonTile(128, 64, 8, 3, 1),
+    "m128n64s4": TritonTile(128, 64, 8, 4, 1),
+    # Two CTAs per SM (two stages so both fit in shared memory), twice the splits: one CTA's softmax runs while
+    # the other's matrix products do, the overlap Triton does not make inside one CTA on Hopper.
+    "m128n64c2": TritonTile(128, 64, 8, 2, 2),
+    "m128n32c2": TritonTile(128, 32, 8, 3, 2),
     "m128n128": TritonTile(128, 128, 8, 2, 1),
     "m64n64": TritonTile(64, 64, 4, 3, 2),
     "m64n128": TritonTile(64, 128, 4, 2, 2),
