@@ -23,6 +23,12 @@ def default_buckets(slots: int) -> list[int]:
     return sizes + [slots]
 
 
+# No autotuning of generated pointwise kernels: Inductor benchmarks a kernel that writes into an input on a clone of
+# every byte the input's strides span, and the KV write's input is a layer's view of the slot-major cache, which
+# spans the whole cache (all layers): ~80 GB at 32K context and batch 60, an out-of-memory error at start-up.
+INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
+
+
 def compiled_regions(model: BlockDiffusionLM, buckets: int) -> Regions:
     """Regional compilation of the decode step: each decoder layer is a compiled region, and the layers of a kind
     share one compiled graph per bucket (same code, parameters as inputs), so start-up compiles ~2 layers and the
@@ -32,8 +38,9 @@ def compiled_regions(model: BlockDiffusionLM, buckets: int) -> Regions:
     kinds = len({type(layer.mlp) for layer in model.layers})
     # the layers' regions share one code object: room for each kind x bucket
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, kinds * buckets + 2)
-    layers = tuple(torch.compile(layer, fullgraph=True, dynamic=False) for layer in model.layers)
-    return Regions(layers, torch.compile(accept_step, fullgraph=True, dynamic=False))
+    layers = tuple(torch.compile(layer, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+                   for layer in model.layers)
+    return Regions(layers, torch.compile(accept_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS))
 
 
 class Stepper:
@@ -45,7 +52,7 @@ class Stepper:
         self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b, indexed=whole)) for b in self.buckets}
         if whole:  # the whole step as one graph per bucket (benchmarks' A/B; slow to compile)
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 2)
-            self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+            self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         elif compile:
             self.fn = functools.partial(decode_step, regions=compiled_regions(model, len(self.buckets)))
         else:

@@ -8,19 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-@torch.library.custom_op("compiledllm::kv_write", mutates_args=("k_cache", "v_cache"))
-def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """k_cache/v_cache [B, S, KVH, D] (views of the cache) take k/v [B, L, KVH, D] at positions [B, L], in place.
-    An op rather than traced indexing: Inductor autotunes a generated kernel that mutates an input on a clone of
-    every byte the input's strides span, which for a layer's view of the slot-major cache is the whole cache
-    (all layers): our reading (from Inductor's source, not re-run) of the out-of-memory error when batch 60 / 32K
-    was compiled on the H200. In the op the writes are two index_put_, as in the eager step."""
-    rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
-    k_cache.index_put_((rows, positions), k)
-    v_cache.index_put_((rows, positions), v)
-
-
 @dataclass(frozen=True)
 class LayerKV:
     """One layer of the cache as views [B, S, KVH, D]; attention reads k/v and writes a forward's fresh K/V at its
@@ -31,7 +18,9 @@ class LayerKV:
     v: torch.Tensor
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        torch.ops.compiledllm.kv_write(self.k, self.v, positions, k, v)
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+        self.k.index_put_((rows, positions), k)
+        self.v.index_put_((rows, positions), v)
 
 
 @dataclass(frozen=True)
