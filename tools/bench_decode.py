@@ -14,6 +14,7 @@ over weights read, KV read and the head.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -23,7 +24,7 @@ import torch
 from gpu_timing import ceilings, graph_ms, time_ms
 
 from compiledllm.attention.metadata import WindowAttention
-from compiledllm.attention import packed
+from compiledllm.attention import packed, triton_packed
 from compiledllm.attention.packed import packed_attention
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import block_logits, decode_step
@@ -251,6 +252,7 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
 
 def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> None:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil, "block": BLOCK,
+           "attn_tile": dataclasses.asdict(triton_packed.default_triton_tile(128)),
            "steps": STEPS, "threshold": 1.0, "modes": modes, "records": records, "date": time.strftime("%Y-%m-%d")}
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
@@ -267,7 +269,12 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
     ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
     ap.add_argument("--attn-ab", action="store_true", help="also run the CUDA-graph step with each attention kernel")
+    ap.add_argument("--attn-tile", choices=list(triton_packed.TRITON_TILES),
+                    help="the Triton attention tile for every step (default: the engine's choice)")
     args = ap.parse_args()
+    if args.attn_tile:  # the launch looks the default up at call time
+        tile = triton_packed.TRITON_TILES[args.attn_tile]
+        triton_packed.default_triton_tile = lambda rows: tile
     modes = args.modes.split(",")
     ceil = ceilings()
     print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",

@@ -17,13 +17,13 @@ import triton.language as tl
 def _update(q, k, v, seen, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
     """One K/V tile into the online softmax (log2 domain); seen [BM, BN] masks scores out when MASKED (full
     prefix tiles skip the select: the loop is bound by the matrix unit and this elementwise work beside it)."""
-    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale > 0: the max of the scaled scores
     base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep the exps at 0
     alpha = tl.exp2(m_i - base)
-    p = tl.exp2(s - base[:, None])
+    p = tl.exp2(s * scale_log2 - base[:, None])  # one fused multiply-add per score
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -34,7 +34,7 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
                     q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
                     kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, S, n_out_rows, scale_log2, LQ, SLOT, NSPLIT,
                     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WRITE_LSE: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, WS: tl.constexpr):
     # LQ, SLOT and NSPLIT are runtime values: prefill chunks of every length share one compiled kernel.
     G: tl.constexpr = H // KVH
     ROWS = G * LQ
@@ -65,7 +65,7 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
     vb = vc_ptr + b * vc_sb + kvh * vc_sh
     # Whole tiles need no mask (rows past ROWS read q = 0: finite scores, never stored); then the partial one.
     t_full = tl.minimum(t_hi, tl.maximum(t_lo, ob // BN))
-    for t in range(t_lo, t_full):
+    for t in tl.range(t_lo, t_full, warp_specialize=WS):  # WS: Triton's producer/consumer warp groups
         keys = t * BN + n
         k = tl.load(kb + keys[:, None] * kc_st + d[None, :])
         v = tl.load(vb + keys[:, None] * vc_st + d[None, :])

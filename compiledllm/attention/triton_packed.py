@@ -24,15 +24,14 @@ class TritonTile:
     warps: int = 8
     stages: int = 3
     ctas_per_sm: int = 1  # what the split count assumes fits on one SM
+    warp_specialize: bool = False  # the whole-tile loop as Triton's automatic producer/consumer warp groups
 
 
 TRITON_TILES = {
     "m128n64": TritonTile(128, 64, 8, 3, 1),
     "m128n64s4": TritonTile(128, 64, 8, 4, 1),
-    # Two CTAs per SM (two stages so both fit in shared memory), twice the splits: one CTA's softmax runs while
-    # the other's matrix products do, the overlap Triton does not make inside one CTA on Hopper.
-    "m128n64c2": TritonTile(128, 64, 8, 2, 2),
-    "m128n32c2": TritonTile(128, 32, 8, 3, 2),
+    "m128n64ws": TritonTile(128, 64, 8, 3, 1, True),
+    "m128n128ws": TritonTile(128, 128, 8, 2, 1, True),
     "m128n128": TritonTile(128, 128, 8, 2, 1),
     "m64n64": TritonTile(64, 64, 4, 3, 2),
     "m64n128": TritonTile(64, 128, 4, 2, 2),
@@ -77,7 +76,7 @@ def packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win
     packed_attn_fwd[(row_tiles, B * KVH, ns)](
         q, k_cache, v_cache, k_win, v_win, prefix_len, out, lse, ws_o, ws_l, *strides, S, n_out,
         scale * math.log2(math.e), Lq, slot, ns, H=H, KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n,
-        WRITE_LSE=return_lse, num_warps=tile.warps, num_stages=tile.stages)
+        WRITE_LSE=return_lse, WS=tile.warp_specialize, num_warps=tile.warps, num_stages=tile.stages)
     if ns > 1:
         rb = 16
         packed_attn_combine[(-(-n_out // rb),)](ws_o, ws_l, out, lse, n_out, Lq, ns, H=H, D=D, RB=rb,
