@@ -198,6 +198,7 @@ def step_split(model, policy, st, kv, idx) -> dict:
 
 def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=False, attn_ab=False) -> dict:
     rec = {"batch": batch, "context": context}
+    torch.manual_seed(context * 1009 + batch)  # the same prefix and KV, so the same experts touched, in every run
     st, kv = synthetic_state(model, policy, batch, context)
     idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
     with torch.no_grad():

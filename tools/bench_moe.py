@@ -42,12 +42,42 @@ def sweep_tiles() -> list[tuple[moe_triton.MoETile, moe_triton.MoETile]]:
     return [(t, t) for t in (moe_triton.MoETile(bm, bn, bk, 4, st) for bm, bn, bk, st in grid)]
 
 
+def split_tiles() -> list[moe_triton.MoETile]:
+    """Candidates for one kernel while the other keeps its default: rows 32/64, N 64-256, K 64/128, warps x stages."""
+    grid = itertools.product((32, 64), (64, 128, 256), (64, 128), ((4, 3), (4, 4), (8, 3)))
+    return [moe_triton.MoETile(bm, bn, bk, w, st) for bm, bn, bk, (w, st) in grid]
+
+
+def sweep_split(moe, x, ids, w) -> dict:
+    """Each kernel's best tile with the other kernel at its default (the op timed whole, as a graph)."""
+    T = x.shape[0]
+    defaults = moe_triton.default_tiles(T * K, E, D, F)
+    out = {"default_ms": graph_ms(lambda: moe_triton.launch(x, moe.w_gate_up, moe.w_down, ids, w, defaults))}
+    for which in (0, 1):
+        best = None
+        for t in split_tiles():
+            tiles = (t, defaults[1]) if which == 0 else (defaults[0], t)
+            try:
+                ms = graph_ms(lambda: moe_triton.launch(x, moe.w_gate_up, moe.w_down, ids, w, tiles))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a large tile
+                print(f"  {['gate_up', 'down'][which]} tile {t}: {type(e).__name__}", flush=True)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, t)
+        name = ["gate_up", "down"][which]
+        out[f"{name}_best_ms"], out[f"{name}_best_tile"] = best[0], best[1].__dict__
+        print(f"  {name}: default {out['default_ms']:.3f} ms, best {best[0]:.3f} ms with {best[1]}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--sweep", default="8,32", help="batches at which to sweep tiles, uniform routing ('' for none)")
+    ap.add_argument("--sweep-split", default="", help="batches at which to sweep each kernel's tile alone, both routings")
     ap.add_argument("--out", default="docs/results/bench_moe.json")
     args = ap.parse_args()
+    torch.manual_seed(0)  # weights, router and tokens: the same experts touched in every run
     ceil = ceilings()
     hbm = ceil["hbm_bytes_per_s"]
     moe = build()
@@ -89,6 +119,8 @@ def main() -> None:
                         best = (ms, tiles[0])
                 rec["sweep_best_ms"] = best[0]
                 rec["sweep_best_tile"] = best[1].__dict__
+            if str(batch) in args.sweep_split.split(","):
+                rec["split_sweep"] = sweep_split(moe, x, ids, w)
         for key in ("grouped_mm", "triton", "sweep_best"):
             if f"{key}_ms" in rec:
                 rec[f"{key}_hbm_share"] = rec["floor_ms"] / rec[f"{key}_ms"]
