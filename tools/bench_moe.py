@@ -44,7 +44,7 @@ def sweep_tiles() -> list[tuple[moe_triton.MoETile, moe_triton.MoETile]]:
 
 def split_tiles() -> list[moe_triton.MoETile]:
     """Candidates for one kernel while the other keeps its default: rows 32/64, N 64-256, K 64/128, warps x stages."""
-    grid = itertools.product((32, 64), (64, 128, 256), (64, 128), ((4, 3), (4, 4), (8, 3)))
+    grid = itertools.product((32, 64), (64, 128, 256), (64, 128), ((4, 3), (8, 3)))
     return [moe_triton.MoETile(bm, bn, bk, w, st) for bm, bn, bk, (w, st) in grid]
 
 
