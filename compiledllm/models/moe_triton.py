@@ -42,12 +42,17 @@ def _block(dim: int, cap: int) -> int:
 
 
 def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETile, MoETile]:
-    """(gate_up, down) tiles, from the H200 sweep of tools/bench_moe.py: 16-row tiles with BN 128 and BK 128
-    while experts see <= 16 pairs on average (rows there are mostly padding), 64x64x64 tiles above."""
+    """(gate_up, down) tiles, from the H200 sweeps of tools/bench_moe.py: 16-row tiles with BN 128 and BK 128
+    while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
+    BN 128 (its K loop is only `inner` long: wider N tiles stream more weight per program), and from 64 pairs
+    per expert gate_up with BN 256 on 8 warps (session 5's per-kernel sweep: 1-4 % per kernel)."""
     if pairs <= 16 * experts:
         return (MoETile(16, _block(inner, 128), _block(dim, 128), 4, 3),
                 MoETile(16, _block(dim, 128), _block(inner, 128), 4, 3))
-    return MoETile(64, _block(inner, 64), _block(dim, 64), 4, 3), MoETile(64, _block(dim, 64), _block(inner, 64), 4, 3)
+    down = MoETile(64, _block(dim, 128), _block(inner, 64), 4, 3)
+    if pairs >= 64 * experts:
+        return MoETile(64, _block(inner, 256), _block(dim, 64), 8, 3), down
+    return MoETile(64, _block(inner, 64), _block(dim, 64), 4, 3), down
 
 
 def max_row_tiles(pairs: int, experts: int, block_m: int) -> int:
