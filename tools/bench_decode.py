@@ -251,6 +251,17 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
     return rec
 
 
+def pending(preset: str, context: int, fit: int, wanted: list[str], records: list[dict]) -> list[int]:
+    """The batch sizes still to measure at (preset, context): `wanted` holds sizes and "max" (= fit); sizes above
+    fit and points already in `records` are left out ("max" is done once any record there was its run's fit,
+    which may differ between runs)."""
+    mine = [r for r in records if (r["model"], r["context"]) == (preset, context)]
+    done = {r["batch"] for r in mine}
+    max_done = any(r["batch"] == r["largest_fit"] for r in mine)
+    sizes = {fit if x == "max" else int(x) for x in wanted if x != "max" or not max_done}
+    return sorted(b for b in sizes if b <= fit and b not in done)
+
+
 def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> None:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil, "block": BLOCK,
            "attn_tile": dataclasses.asdict(triton_packed.default_triton_tile(128)),
@@ -270,6 +281,8 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
     ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
     ap.add_argument("--attn-ab", action="store_true", help="also run the CUDA-graph step with each attention kernel")
+    ap.add_argument("--resume", help="a JSON this tool wrote: its finished points are kept, not re-measured (each "
+                                     "record holds the ceilings of the run that measured it)")
     ap.add_argument("--attn-tile", choices=list(triton_packed.TRITON_TILES),
                     help="the Triton attention tile for every step (default: the engine's choice)")
     args = ap.parse_args()
@@ -281,6 +294,9 @@ def main() -> None:
     print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
           flush=True)
     records = []
+    if args.resume:  # a grid longer than one device call: keep the finished points, measure the rest
+        with open(args.resume) as f:
+            records = [r for r in json.load(f)["records"] if "error" not in r]
     for item in args.plan.split(";"):
         preset, contexts = item.split(":")
         t0 = time.perf_counter()
@@ -289,8 +305,7 @@ def main() -> None:
         policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
         for context in map(int, contexts.split(",")):
             fit = max_batch(model, context)
-            batches = sorted({b for b in (fit if x == "max" else int(x) for x in args.batches.split(",")) if b <= fit})
-            for batch in batches:
+            for batch in pending(preset, context, fit, args.batches.split(","), records):
                 try:
                     rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab, args.attn_ab)
                 except torch.OutOfMemoryError as e:
@@ -298,20 +313,23 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 except Exception as e:  # keep the run going; the JSON says what failed
                     rec = {"batch": batch, "context": context, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit}
+                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit, "ceilings": ceil}
                 records.append(rec)
-                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                                  if k != "ceilings"}), flush=True)
                 write_json(args.out, ceil, modes, records)  # after every point: a cut-off run keeps what it measured
         del model
         torch.cuda.empty_cache()
-    print(f"\n{'model':14} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'roof ms':>8} {'vs roof':>7} {'tok/s':>9}")
+    print(f"\n{'model':14} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'comp ms':>8} {'roof ms':>8} "
+          f"{'vs roof':>7} {'tok/s':>9}")
     for r in records:
         if "error" in r:
             print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4}  {r['error'][:60]}")
             continue
         e, g = r.get("eager_ms", float("nan")), r.get("graphs_ms", float("nan"))
-        print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4} {e:9.2f} {g:9.2f} {e / g:5.2f} {r['roofline_ms']:8.2f} "
-              f"{r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f}")
+        c = r.get("compiled+graphs_ms", float("nan"))
+        print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4} {e:9.2f} {g:9.2f} {e / g:5.2f} {c:8.2f} "
+              f"{r['roofline_ms']:8.2f} {r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f}")
     for r in records:
         if "split" in r:
             pieces = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["split"].items())
