@@ -3,7 +3,8 @@
 # Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/gpu_session.sh
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
-# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton) and head
+# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
+# whole benchmark grid in all three modes, resumable across calls: GRID_RESUME) and head
 # (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,6 +45,12 @@ fi
 if has decode; then
   timeout ${BENCH_TIMEOUT:-210} python3 tools/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
+fi
+if has grid; then  # the whole grid, eager vs CUDA graphs vs compiled + graphs, with the step's split; longer
+  # than one device call: GRID_RESUME=<the last call's JSON, copied into the tree> continues it
+  timeout ${GRID_TIMEOUT:-540} python3 tools/bench_decode.py --modes eager,graphs,compiled+graphs --split \
+    ${GRID_RESUME:+--resume "$GRID_RESUME"} --out "$OUT/bench_decode_grid_h200.json" 2>&1 | grep -v -i warn \
+    | tee "$OUT/bench_decode_grid.log" | tail -30
 fi
 if has compiled; then
   timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
