@@ -45,7 +45,7 @@ def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETi
     """(gate_up, down) tiles, from the H200 sweeps of tools/bench_moe.py: 16-row tiles with BN 128 and BK 128
     while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
     BN 128 (its K loop is only `inner` long: wider N tiles stream more weight per program), and from 64 pairs
-    per expert gate_up with BN 256 on 8 warps (session 5's per-kernel sweep: 1-4 % per kernel)."""
+    per expert gate_up with BN 256 on 8 warps (`bench_moe.py --sweep-split`: 1-4 % per kernel)."""
     if pairs <= 16 * experts:
         return (MoETile(16, _block(inner, 128), _block(dim, 128), 4, 3),
                 MoETile(16, _block(dim, 128), _block(inner, 128), 4, 3))
