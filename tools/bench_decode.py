@@ -270,56 +270,7 @@ def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> 
         json.dump(out, f, indent=2)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", default="llada2.0-mini:4096,16384,32768;sdar-8b:4096,16384",
-                    help="preset:context,context;... (contexts in tokens)")
-    ap.add_argument("--batches", default="1,8,32,64,max")
-    ap.add_argument("--modes", default="eager,graphs",
-                    help="eager, graphs, compiled+graphs (regional compile), compiled-whole+graphs (one graph per step)")
-    ap.add_argument("--out", default="docs/results/bench_decode.json")
-    ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
-    ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
-    ap.add_argument("--attn-ab", action="store_true", help="also run the CUDA-graph step with each attention kernel")
-    ap.add_argument("--resume", help="a JSON this tool wrote: its finished points are kept, not re-measured (each "
-                                     "record holds the ceilings of the run that measured it)")
-    ap.add_argument("--attn-tile", choices=list(triton_packed.TRITON_TILES),
-                    help="the Triton attention tile for every step (default: the engine's choice)")
-    args = ap.parse_args()
-    if args.attn_tile:  # the launch looks the default up at call time
-        tile = triton_packed.TRITON_TILES[args.attn_tile]
-        triton_packed.default_triton_tile = lambda rows: tile
-    modes = args.modes.split(",")
-    ceil = ceilings()
-    print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
-          flush=True)
-    records = []
-    if args.resume:  # a grid longer than one device call: keep the finished points, measure the rest
-        with open(args.resume) as f:
-            records = [r for r in json.load(f)["records"] if "error" not in r]
-    for item in args.plan.split(";"):
-        preset, contexts = item.split(":")
-        t0 = time.perf_counter()
-        model = build_random(preset, device="cuda", dtype=torch.bfloat16)
-        build_s = time.perf_counter() - t0
-        policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
-        for context in map(int, contexts.split(",")):
-            fit = max_batch(model, context)
-            for batch in pending(preset, context, fit, args.batches.split(","), records):
-                try:
-                    rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab, args.attn_ab)
-                except torch.OutOfMemoryError as e:
-                    rec = {"batch": batch, "context": context, "error": f"OOM: {str(e).splitlines()[0]}"}
-                    torch.cuda.empty_cache()
-                except Exception as e:  # keep the run going; the JSON says what failed
-                    rec = {"batch": batch, "context": context, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit, "ceilings": ceil}
-                records.append(rec)
-                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
-                                  if k != "ceilings"}), flush=True)
-                write_json(args.out, ceil, modes, records)  # after every point: a cut-off run keeps what it measured
-        del model
-        torch.cuda.empty_cache()
+def print_table(records: list[dict]) -> None:
     print(f"\n{'model':14} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'comp ms':>8} {'roof ms':>8} "
           f"{'vs roof':>7} {'tok/s':>9}")
     for r in records:
@@ -335,6 +286,93 @@ def main() -> None:
             pieces = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["split"].items())
             print(f"split {r['model']} {r['context']} B{r['batch']} (graph {r.get('graphs_ms', float('nan')):.2f} ms, "
                   f"grouped-GEMM MoE {r.get('graphs_grouped_mm_ms', float('nan')):.2f} ms): {pieces}")
+
+
+def load_records(paths: list[str]) -> tuple[list[dict], dict]:
+    """The finished points of earlier runs' JSONs, each point once (shards that resumed the same file all hold
+    its points; errors dropped), and the first file's header for a merge."""
+    found, header = {}, {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        header = header or data
+        for r in data["records"]:
+            if "error" not in r:
+                found.setdefault((r["model"], r["context"], r["batch"]), r)
+    return list(found.values()), header
+
+
+def plan_key(plan: str, r: dict) -> tuple:
+    """Grid order of a record: the plan's preset and context order, then batch."""
+    items = [(preset, int(c)) for preset, cs in (i.split(":") for i in plan.split(";")) for c in cs.split(",")]
+    where = (r["model"], r["context"])
+    return (items.index(where) if where in items else len(items), r["batch"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", default="llada2.0-mini:4096,16384,32768;sdar-8b:4096,16384",
+                    help="preset:context,context;... (contexts in tokens)")
+    ap.add_argument("--batches", default="1,8,32,64,max")
+    ap.add_argument("--modes", default="eager,graphs",
+                    help="eager, graphs, compiled+graphs (regional compile), compiled-whole+graphs (one graph per step)")
+    ap.add_argument("--out", default="docs/results/bench_decode.json")
+    ap.add_argument("--split", action="store_true", help="also time the step's pieces (CUDA graph each)")
+    ap.add_argument("--moe-ab", action="store_true", help="also run the CUDA-graph step with the grouped-GEMM MoE")
+    ap.add_argument("--attn-ab", action="store_true", help="also run the CUDA-graph step with each attention kernel")
+    ap.add_argument("--resume", nargs="+", default=[],
+                    help="JSONs this tool wrote: their finished points are kept, not re-measured (each record holds "
+                         "the ceilings of the run that measured it)")
+    ap.add_argument("--merge", action="store_true", help="only merge the --resume JSONs into --out (no GPU work)")
+    ap.add_argument("--shard", default="0/1", help="I/N: measure every N-th pending point from the I-th (one "
+                                                   "process per GPU; merge the shards' JSONs with --merge)")
+    ap.add_argument("--attn-tile", choices=list(triton_packed.TRITON_TILES),
+                    help="the Triton attention tile for every step (default: the engine's choice)")
+    args = ap.parse_args()
+    records, header = load_records(args.resume)
+    if args.merge:
+        records.sort(key=lambda r: plan_key(args.plan, r))
+        header = {**header, "records": records}
+        with open(args.out, "w") as f:
+            json.dump(header, f, indent=2)
+        print_table(records)
+        return
+    shard, shards = map(int, args.shard.split("/"))
+    if args.attn_tile:  # the launch looks the default up at call time
+        tile = triton_packed.TRITON_TILES[args.attn_tile]
+        triton_packed.default_triton_tile = lambda rows: tile
+    modes = args.modes.split(",")
+    ceil = ceilings()
+    print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+          flush=True)
+    resumed, point = len(records), -1
+    for item in args.plan.split(";"):
+        preset, contexts = item.split(":")
+        t0 = time.perf_counter()
+        model = build_random(preset, device="cuda", dtype=torch.bfloat16)
+        build_s = time.perf_counter() - t0
+        policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
+        for context in map(int, contexts.split(",")):
+            fit = max_batch(model, context)
+            for batch in pending(preset, context, fit, args.batches.split(","), records[:resumed]):
+                point += 1
+                if point % shards != shard:
+                    continue
+                try:
+                    rec = bench_point(model, policy, batch, context, ceil, modes, args.split, args.moe_ab, args.attn_ab)
+                except torch.OutOfMemoryError as e:
+                    rec = {"batch": batch, "context": context, "error": f"OOM: {str(e).splitlines()[0]}"}
+                    torch.cuda.empty_cache()
+                except Exception as e:  # keep the run going; the JSON says what failed
+                    rec = {"batch": batch, "context": context, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit, "ceilings": ceil}
+                records.append(rec)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                                  if k != "ceilings"}), flush=True)
+                write_json(args.out, ceil, modes, records)  # after every point: a cut-off run keeps what it measured
+        del model
+        torch.cuda.empty_cache()
+    print_table(records)
 
 
 if __name__ == "__main__":

@@ -46,11 +46,20 @@ if has decode; then
   timeout ${BENCH_TIMEOUT:-210} python3 tools/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
 fi
-if has grid; then  # the whole grid, eager vs CUDA graphs vs compiled + graphs, with the step's split; longer
-  # than one device call: GRID_RESUME=<the last call's JSON, copied into the tree> continues it
-  timeout ${GRID_TIMEOUT:-540} python3 tools/bench_decode.py --modes eager,graphs,compiled+graphs --split \
-    ${GRID_RESUME:+--resume "$GRID_RESUME"} --out "$OUT/bench_decode_grid_h200.json" 2>&1 | grep -v -i warn \
-    | tee "$OUT/bench_decode_grid.log" | tail -30
+if has grid; then  # the whole grid, eager vs CUDA graphs vs compiled + graphs, with the step's split: one
+  # process per GPU (--shard), merged at the end; a cut-off grid goes on in the next call from GRID_RESUME (JSONs
+  # copied into the tree, space-separated)
+  gpus=$(nvidia-smi -L | wc -l)
+  for ((i = 0; i < gpus; i++)); do
+    CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$((${CPUS:-$(nproc)} / gpus)) timeout ${GRID_TIMEOUT:-540} \
+      python3 tools/bench_decode.py --modes eager,graphs,compiled+graphs --split --shard $i/$gpus \
+      ${GRID_RESUME:+--resume $GRID_RESUME} --out "$OUT/bench_decode_grid_shard$i.json" 2>&1 | grep -v -i warn \
+      > "$OUT/bench_decode_grid_shard$i.log" &
+  done
+  wait
+  tail -n 3 "$OUT"/bench_decode_grid_shard*.log
+  python3 tools/bench_decode.py --merge --resume ${GRID_RESUME:-} $(ls "$OUT"/bench_decode_grid_shard*.json) \
+    --out "$OUT/bench_decode_grid_h200.json" 2>&1 | tee "$OUT/bench_decode_grid.log" | tail -30
 fi
 if has compiled; then
   timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
