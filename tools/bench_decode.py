@@ -214,7 +214,10 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
             rec[f"{mode}_startup_s"] = time.perf_counter() - t0
             rec[f"{mode}_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
-            torch.cuda.empty_cache()  # a new capture allocates a new private pool: hand the last one back first
+            # each point stands alone: drop Dynamo's compiled variants (a long grid would pass its recompile limit
+            # and they keep this point's tensors alive) and hand the capture's private pool back
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
         if moe_ab and moe_layers(model) and "graphs" in modes:  # the grouped-GEMM MoE in the same run
             for m in moe_layers(model):
                 m.backend = "grouped_mm"
