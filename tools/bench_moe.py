@@ -43,8 +43,9 @@ def sweep_tiles() -> list[tuple[moe_triton.MoETile, moe_triton.MoETile]]:
 
 
 def split_tiles() -> list[moe_triton.MoETile]:
-    """Candidates for one kernel while the other keeps its default: rows 32/64, N 64-256, K 64/128, warps x stages."""
-    grid = itertools.product((32, 64), (64, 128, 256), (64, 128), ((4, 3), (8, 3)))
+    """Candidates for one kernel while the other keeps its default: rows 32-128, N 64-256, K 64/128, warps x stages
+    (128-row tiles for the large batches, where experts see 100+ pairs and the MMA rate starts to matter)."""
+    grid = itertools.product((32, 64, 128), (64, 128, 256), (64, 128), ((4, 3), (8, 3)))
     return [moe_triton.MoETile(bm, bn, bk, w, st) for bm, bn, bk, (w, st) in grid]
 
 
