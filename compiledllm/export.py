@@ -136,6 +136,11 @@ class ExportedModel:
         return logits
 
 
+def same_device(asked: torch.device, exported: torch.device) -> bool:
+    """`cuda` asks for the current CUDA device, which an export records with its index (`cuda:0`)."""
+    return asked.type == exported.type and (asked.index is None or asked.index == exported.index)
+
+
 def load_exported(path, device: str | None = None) -> ExportedModel:
     path = Path(path)
     try:
@@ -144,7 +149,7 @@ def load_exported(path, device: str | None = None) -> ExportedModel:
         raise UserError(f"{path / EXPORT_FILE}: malformed JSON ({e})") from None
     if meta.get("format") != FORMAT:
         raise UserError(f"{path / EXPORT_FILE}: export format {meta.get('format')!r}, this compiledllm reads {FORMAT}")
-    if device is not None and torch.device(device) != torch.device(meta["device"]):
+    if device is not None and not same_device(torch.device(device), torch.device(meta["device"])):
         raise UserError(f"{path}: exported for {meta['device']}, the recipe asks for {device}")
     return ExportedModel(path, meta, meta["device"])
 

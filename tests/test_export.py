@@ -57,3 +57,12 @@ def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
     path.write_text(yaml.safe_dump({"prompts": [{"ids": [1, 2]}], "generation": {"max_new_tokens": 4}}))
     res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "x"), "--backend", "tensorrt"])
     assert res.exit_code == 2 and "torch_tensorrt" in res.output and "Traceback" not in res.output
+
+
+def test_an_export_for_cuda_0_serves_a_recipe_asking_for_cuda():
+    from compiledllm.export import same_device
+
+    dev = torch.device
+    assert same_device(dev("cuda"), dev("cuda:0")) and same_device(dev("cuda:0"), dev("cuda:0"))
+    assert not same_device(dev("cuda:1"), dev("cuda:0")) and not same_device(dev("cpu"), dev("cuda:0"))
+    assert same_device(dev("cpu"), dev("cpu"))

@@ -13,8 +13,10 @@ from compiledllm.policies import base
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and moe_triton.available()),
                                                   reason="needs a CUDA device with Triton (run on the GPU machine)")]
 
-# (tokens, experts, top_k, dim, expert_dim): LLaDA2.0-mini's expert shape at batch 1 and 32, and a small odd one
-SHAPES = [(32, 256, 8, 2048, 512), (1024, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (300, 16, 4, 128, 64)]
+# (tokens, experts, top_k, dim, expert_dim): LLaDA2.0-mini's expert shape at batch 1 and 32, and small ones
+# for each default tile (<= 16, >= 64 and >= 128 pairs per expert)
+SHAPES = [(32, 256, 8, 2048, 512), (1024, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (300, 16, 4, 128, 64),
+          (600, 16, 4, 128, 64)]
 
 
 def moe_layer(E, k, D, F, seed=0) -> MoE:

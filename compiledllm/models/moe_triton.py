@@ -45,11 +45,15 @@ def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETi
     """(gate_up, down) tiles, from the H200 sweeps of tools/bench_moe.py: 16-row tiles with BN 128 and BK 128
     while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
     BN 128 (its K loop is only `inner` long: wider N tiles stream more weight per program), and from 64 pairs
-    per expert gate_up with BN 256 on 8 warps (`bench_moe.py --sweep-split`: 1-4 % per kernel)."""
+    per expert gate_up with BN 256 on 8 warps (`bench_moe.py --sweep-split`: 1-4 % per kernel); from 128 pairs
+    per expert down on 128 x 256 tiles, 8 warps (4-6 % of the op at 128 and 306 pairs per expert)."""
     if pairs <= 16 * experts:
         return (MoETile(16, _block(inner, 128), _block(dim, 128), 4, 3),
                 MoETile(16, _block(dim, 128), _block(inner, 128), 4, 3))
-    down = MoETile(64, _block(dim, 128), _block(inner, 64), 4, 3)
+    if pairs >= 128 * experts:
+        down = MoETile(128, _block(dim, 256), _block(inner, 64), 8, 3)
+    else:
+        down = MoETile(64, _block(dim, 128), _block(inner, 64), 4, 3)
     if pairs >= 64 * experts:
         return MoETile(64, _block(inner, 256), _block(dim, 64), 8, 3), down
     return MoETile(64, _block(inner, 64), _block(dim, 64), 4, 3), down
