@@ -7,6 +7,7 @@ are static per package (bucket, block size, KV capacity); `compiledllm_export.js
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -14,11 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compiledllm.attention import packed
 from compiledllm.attention.metadata import DenseAttention, WindowAttention
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.models.config import ModelConfig, MoEConfig
+from compiledllm.models.layers import MoE
 from compiledllm.tokenizer import TextTokenizer
 
 EXPORT_FILE = "compiledllm_export.json"
@@ -59,6 +62,24 @@ def example_inputs(model: BlockDiffusionLM, bucket: int, block: int, capacity: i
             torch.zeros(kv, dtype=model.dtype, device=dev), torch.zeros(kv, dtype=model.dtype, device=dev))
 
 
+@contextlib.contextmanager
+def aten_only(model: BlockDiffusionLM):
+    """Trace with torch's own ops: an AOTInductor package cannot carry this package's Python custom ops (the Triton
+    and CuPy kernels; loading such a package crashed on the H200), so the exported forward takes the reference
+    attention, the torch router and the grouped-GEMM experts, and Inductor generates the kernels."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    saved = packed.CUDA_BACKENDS, [m.backend for m in moes]
+    packed.CUDA_BACKENDS = ()
+    for m in moes:
+        m.backend = "grouped_mm"
+    try:
+        yield
+    finally:
+        packed.CUDA_BACKENDS = saved[0]
+        for m, backend in zip(moes, saved[1]):
+            m.backend = backend
+
+
 def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: int, buckets: list[int],
                  backend: str = "aoti", on_bucket=None) -> Path:
     """Write one package per bucket plus the metadata into `out`."""
@@ -79,7 +100,7 @@ def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: in
         buckets = [1, *buckets]  # prefill runs one slot at a time
     files = {}
     for b in sorted(set(buckets)):
-        with torch.no_grad():
+        with torch.no_grad(), aten_only(model):
             program = torch.export.export(module, example_inputs(model, b, block, capacity), strict=False)
         name = f"step_b{b}.pt2"
         torch._inductor.aoti_compile_and_package(program, package_path=str(out / name))
