@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -64,9 +67,9 @@ def example_inputs(model: BlockDiffusionLM, bucket: int, block: int, capacity: i
 
 @contextlib.contextmanager
 def aten_only(model: BlockDiffusionLM):
-    """Trace with torch's own ops: an AOTInductor package cannot carry this package's Python custom ops (the Triton
-    and CuPy kernels; loading such a package crashed on the H200), so the exported forward takes the reference
-    attention, the torch router and the grouped-GEMM experts, and Inductor generates the kernels."""
+    """Trace with torch's own ops: an AOTInductor package runs in its C++ runtime, which cannot call this package's
+    kernels (Python custom ops over Triton and CuPy), so the exported forward takes the reference attention, the
+    torch router and the grouped-GEMM experts, and Inductor generates and packages the kernels."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     saved = packed.CUDA_BACKENDS, [m.backend for m in moes]
     packed.CUDA_BACKENDS = ()
@@ -121,6 +124,27 @@ def is_exported(path) -> bool:
     return isinstance(path, (str, Path)) and (Path(path) / EXPORT_FILE).exists()
 
 
+# run in a child process before a CUDA package is loaded here (see probe_load)
+PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1])"
+
+
+def probe_load(package: Path, code: str = PROBE) -> None:
+    """Load `package` in a child process first: torch 2.11 + CUDA 13 on the H200 dies with a segmentation fault
+    loading any CUDA AOTInductor package (a single nn.Linear too), which would end this process with no message."""
+    try:
+        res = subprocess.run([sys.executable, "-c", code, str(package)], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{package}: loading the exported package took over 10 minutes in a test process") from None
+    if res.returncode < 0:
+        name = signal.Signals(-res.returncode).name
+        raise UserError(f"{package}: torch {torch.__version__} crashes ({name}) loading CUDA AOTInductor packages on "
+                        "this machine; run the recipe's model directly (compile: true, cuda_graphs: true) instead "
+                        "of the exported engine")
+    if res.returncode:
+        last = (res.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"{package}: the exported package does not load: {last}")
+
+
 class ExportedModel:
     """Stands in for a BlockDiffusionLM in the engine, running the exported packages."""
 
@@ -134,6 +158,8 @@ class ExportedModel:
         self.device = torch.device(device)
         self.bidirectional = self.config.bidirectional
         self.tokenizer = TextTokenizer.from_dir(path)
+        if self.device.type == "cuda":
+            probe_load(path / meta["files"][str(meta["buckets"][0])])
         self.runners = {int(b): torch._inductor.aoti_load_package(str(path / f)) for b, f in meta["files"].items()}
 
     def _runner(self, batch: int):
