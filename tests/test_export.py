@@ -22,7 +22,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="exporting for C
 def test_exported_engine_matches_eager(tmp_path, device):
     ckpt = write_checkpoint(tmp_path / "m", "llada2", 3)
     write_tokenizer(ckpt)  # the exported engine carries the tokenizer: text prompts still work
-    recipe = {"model": {"path": str(ckpt), "device": device}, "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},
+    recipe = {"model": {"path": str(ckpt), "device": device},
+              "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},
               "generation": {"max_new_tokens": 9, "max_seq_len": 32},
               "prompts": [{"ids": [5, 6, 7]}, {"ids": list(range(10, 19))}, {"text": "the quick brown fox"}],
               "batch_size": 1, "buckets": [1], "output": str(tmp_path / "eager.jsonl")}

@@ -4,7 +4,7 @@
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
-# whole benchmark grid in all three modes, resumable across calls: GRID_RESUME) and head
+# whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
