@@ -24,7 +24,7 @@ from checkpoints import MASK_ID, write_checkpoint
 from oracle import OracleModel, literal_decode
 
 import compiledllm
-from compiledllm.engine import generate
+from compiledllm.engine import Engine, generate
 
 V = 96
 NEAR_TIE = 1e-5  # a decision this close to a threshold / tie may flip between float paths
@@ -455,3 +455,19 @@ def test_regional_compile_shares_one_graph_per_layer_kind():
     assert counters["stats"]["unique_graphs"] == (kinds + 1) * buckets
     eager = generate(model, prompts, pol, max_new_tokens=32, compile=False, batch_size=2)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+
+
+@pytest.mark.slow
+def test_compiled_engines_of_several_policies_in_one_process():
+    """`eval` with compile: true builds one engine per policy in one process. The policy's settings are guarded
+    values, so each engine adds its buckets' variants of the acceptance step: the recompile limit must make room
+    for them (from a limit of 1 here, as a long process would reach any fixed limit)."""
+    model = compiledllm.load_model("compiledllm/assets/tiny-llada2")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
+        for tau in (0.5, 0.6, 0.7, 0.8):
+            pol = {"name": "threshold", "block_size": 4, "threshold": tau}
+            runs = [Engine(model, pol, max_new_tokens=8, batch_size=2, compile=c, cuda_graphs=False,
+                           buckets=[1, 2]).generate(prompts) for c in (True, False)]
+            assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]

@@ -29,6 +29,16 @@ def default_buckets(slots: int) -> list[int]:
 INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
 
 
+def make_room(variants: int) -> None:
+    """Raise Dynamo's recompile limit by the compiled variants one more stepper can add to a code object. The
+    layers' regions share one code object, and every engine in the process shares them and the acceptance step:
+    each engine adds its (layer kind x bucket) variants, and a policy's settings are guarded values, so `eval`
+    over several policies adds buckets per policy. A fixed limit would end a long process with a hard failure."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit += variants
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)  # per code object
+
+
 def compiled_regions(model: BlockDiffusionLM, buckets: int) -> Regions:
     """Regional compilation of the decode step: each decoder layer is a compiled region, and the layers of a kind
     share one compiled graph per bucket (same code, parameters as inputs), so start-up compiles ~2 layers and the
@@ -36,8 +46,7 @@ def compiled_regions(model: BlockDiffusionLM, buckets: int) -> Regions:
     tables, head) run eagerly, inside the CUDA graph like the rest. The model itself stays uncompiled (prefill
     chunks of every length run it eagerly). Static shapes per bucket keep the generated kernels specialised."""
     kinds = len({type(layer.mlp) for layer in model.layers})
-    # the layers' regions share one code object: room for each kind x bucket
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, kinds * buckets + 2)
+    make_room(kinds * buckets)
     layers = tuple(torch.compile(layer, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
                    for layer in model.layers)
     return Regions(layers, torch.compile(accept_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS))
@@ -51,7 +60,7 @@ class Stepper:
         whole = compile and not regional
         self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b, indexed=whole)) for b in self.buckets}
         if whole:  # the whole step as one graph per bucket (benchmarks' A/B; slow to compile)
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.buckets) + 2)
+            make_room(len(self.buckets))
             self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         elif compile:
             self.fn = functools.partial(decode_step, regions=compiled_regions(model, len(self.buckets)))
