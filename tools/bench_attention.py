@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from compiledllm.attention.cupy_packed import TILES, default_tile, packed_attention_cuda
+from compiledllm.attention.launch import PackedArgs
+from compiledllm.attention.spec import BlockCausal
 from compiledllm.attention.triton_packed import TRITON_TILES, default_triton_tile, packed_attention_triton_launch
 
 HEADS = [(16, 4), (32, 8)]  # LLaDA2.0-mini, SDAR-8B
@@ -70,7 +72,8 @@ def make_case(pool: Pool, H: int, KVH: int, B: int, prefix: int, Lq: int, slot: 
     vis_keys = int(ob.sum()) * Lq + B * vis_win
     return dict(
         H=H, KVH=KVH, B=B, prefix=prefix, Lq=Lq, slot=slot, S=S, N=N, ob=ob_dev, q=q, k_all=k_all, v_all=v_all,
-        ours_args=(q.transpose(1, 2), kt[:, :S], vt[:, :S], ob_dev, kt[:, S:], vt[:, S:]),
+        ours_args=PackedArgs(q.transpose(1, 2), kt[:, :S], vt[:, :S], ob_dev, kt[:, S:], vt[:, S:], BlockCausal(slot),
+                             scale=D**-0.5),
         bytes=(int(ob.sum()) + B * Lq) * KVH * D * 2 * 2 + 2 * B * Lq * H * D * 2,
         flops=4 * D * H * vis_keys,
     )
@@ -152,7 +155,7 @@ def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True, 
     """Times are CUDA-graph replays (what the engine runs); *_eager_s adds the host launch path."""
     roof = max(c["bytes"] / ceil["hbm_bytes_per_s"], c["flops"] / ceil["bf16_flops_per_s"])
     scale = D**-0.5
-    ours = lambda: packed_attention_cuda(*c["ours_args"], c["slot"], scale, False, tile=tile)  # noqa: E731
+    ours = lambda: packed_attention_cuda(c["ours_args"], False, tile=tile)  # noqa: E731
     out = ours()[0]
     r = {k: c[k] for k in ("H", "KVH", "B", "prefix", "Lq", "slot", "S", "bytes", "flops")}
     r.update(tile=[k for k, v in TILES.items() if v == (tile or default_tile(D, c["H"] // c["KVH"] * c["Lq"]))][0],
@@ -163,7 +166,7 @@ def run_config(c: dict, ceil: dict, flex: Flex, tile=None, with_baselines=True, 
     r["frac_roofline_eager"] = roof / r["ours_eager_s"]
     rows = c["H"] // c["KVH"] * c["Lq"]
     tt = triton_tile or default_triton_tile(rows)
-    tri = lambda: packed_attention_triton_launch(*c["ours_args"], c["slot"], scale, False, tile=tt)  # noqa: E731
+    tri = lambda: packed_attention_triton_launch(c["ours_args"], False, tile=tt)  # noqa: E731
     r["triton_tile"] = [k for k, v in TRITON_TILES.items() if v == tt][0]
     r["err_triton_vs_ours"] = ((tri()[0].float() - out.float()).norm() / out.float().norm()).item()
     r["triton_s"] = bench_graph(tri, "triton") or bench(tri)

@@ -1,4 +1,4 @@
-"""The packed-attention contract (packed.py) as Triton kernels: imported only where Triton is.
+"""Packed attention (launch.PackedArgs) as Triton kernels: imported only where Triton is.
 
 Same decomposition as the CUDA kernel (kernels/packed_attention.cu): one program owns BM query rows of
 ONE (batch row, KV head), rows (query i, group head g) i-major, so the G heads of a KV head share every
@@ -6,6 +6,11 @@ K/V tile; the prefix is split over grid axis 2 (flash-decoding) with the window 
 difference is the matrix unit: tl.dot lowers to Hopper's wgmma (asynchronous, fed from shared memory),
 where the CUDA kernel's mma.sync tops out near half the rate this shape needs to be bound by HBM
 (G * Lq = 128 rows per key: ~128 FLOP per K/V byte).
+
+Two constexpr switches, so that the block-causal dense form compiles to the code it had before them:
+GROUPS (the QueryGroups rule: window key j is visible to query i iff bit group[j] of see[group[i]] is set;
+else BlockCausal(SLOT)) and PAGED (prefix key s of row b is pool row kv_index[b, s]; else row b's cache).
+attention_mass is the per-key attention probability of the same scores and mask, from the forward's lse.
 """
 from __future__ import annotations
 
@@ -30,12 +35,44 @@ def _update(q, k, v, seen, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _prefix_rows(idx_b, keys, live, PAGED: tl.constexpr):
+    """The source rows of prefix keys: the keys themselves in the row's cache, or (PAGED) their pool rows from
+    kv_index, in int64 (a pool may pass 2^31 elements). live masks the index loads (None: all keys valid)."""
+    rows = keys
+    if PAGED:
+        rows = tl.load(idx_b + keys, mask=live).to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _query_rule(grp_b, see_ptr, i, row_ok, GROUPS: tl.constexpr):
+    """The query rows' side of the window rule: their group's see bitmask (GROUPS), else their window index."""
+    qr = i
+    if GROUPS:
+        qr = tl.load(see_ptr + tl.load(grp_b + i, mask=row_ok, other=0), mask=row_ok, other=0)
+    return qr
+
+
+@triton.jit
+def _window_seen(qr, keys, live, row_ok, grp_b, SLOT, GROUPS: tl.constexpr):
+    """[BM, BN] visibility of window keys `keys` (live: inside the window) to the rows of `qr` (_query_rule)."""
+    if GROUPS:
+        rule = ((qr[:, None] >> tl.load(grp_b + keys, mask=live, other=0)[None, :]) & 1) != 0
+    else:
+        rule = (keys[None, :] // SLOT) <= (qr[:, None] // SLOT)
+    return live[None, :] & rule & row_ok[:, None]
+
+
+@triton.jit
 def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_ptr, ws_o_ptr, ws_l_ptr,
+                    grp_ptr, see_ptr, idx_ptr,
                     q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
-                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, S, n_out_rows, scale_log2, LQ, SLOT, NSPLIT,
+                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, grp_sb, idx_sb,
+                    S, n_out_rows, scale_log2, LQ, SLOT, NSPLIT,
                     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, WS: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, WS: tl.constexpr, GROUPS: tl.constexpr, PAGED: tl.constexpr):
     # LQ, SLOT and NSPLIT are runtime values: prefill chunks of every length share one compiled kernel.
+    # PAGED: kc/vc are pools [N, KVH, D] (the launcher passes batch stride 0), kv_index rows [B, S] unit-stride.
     G: tl.constexpr = H // KVH
     ROWS = G * LQ
     bh = tl.program_id(1)
@@ -63,23 +100,33 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
     t_hi = tl.minimum(ntp, t_lo + per)
     kb = kc_ptr + b * kc_sb + kvh * kc_sh
     vb = vc_ptr + b * vc_sb + kvh * vc_sh
+    idx_b = idx_ptr
+    if PAGED:
+        idx_b += b * idx_sb
     # Whole tiles need no mask (rows past ROWS read q = 0: finite scores, never stored); then the partial one.
     t_full = tl.minimum(t_hi, tl.maximum(t_lo, ob // BN))
     for t in tl.range(t_lo, t_full, warp_specialize=WS):  # WS: Triton's producer/consumer warp groups
-        keys = t * BN + n
-        k = tl.load(kb + keys[:, None] * kc_st + d[None, :])
-        v = tl.load(vb + keys[:, None] * vc_st + d[None, :])
+        rows = _prefix_rows(idx_b, t * BN + n, None, PAGED)
+        k = tl.load(kb + rows[:, None] * kc_st + d[None, :])
+        v = tl.load(vb + rows[:, None] * vc_st + d[None, :])
         m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, scale_log2, False)
     for t in range(t_full, t_hi):
         keys = t * BN + n
         live = keys < ob
-        k = tl.load(kb + keys[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(vb + keys[:, None] * vc_st + d[None, :], mask=live[:, None], other=0.0)
+        rows = _prefix_rows(idx_b, keys, live, PAGED)
+        k = tl.load(kb + rows[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(vb + rows[:, None] * vc_st + d[None, :], mask=live[:, None], other=0.0)
         m_i, l_i, acc = _update(q, k, v, live[None, :], m_i, l_i, acc, scale_log2, True)
 
-    if split == NSPLIT - 1:  # the window: up to the end of the last slot a row here can see
-        i_max = (tl.minimum(tl.program_id(0) * BM + BM, ROWS) - 1) // G
-        n_win = tl.minimum(LQ, (i_max // SLOT + 1) * SLOT)
+    if split == NSPLIT - 1:  # the window: block-causal up to the end of the last slot a row here can see
+        grp_b = grp_ptr
+        if GROUPS:
+            grp_b += b * grp_sb
+            n_win = LQ
+        else:
+            i_max = (tl.minimum(tl.program_id(0) * BM + BM, ROWS) - 1) // G
+            n_win = tl.minimum(LQ, (i_max // SLOT + 1) * SLOT)
+        qr = _query_rule(grp_b, see_ptr, i, row_ok, GROUPS)
         kwb = kw_ptr + b * kw_sb + kvh * kw_sh
         vwb = vw_ptr + b * vw_sb + kvh * vw_sh
         for w0 in range(0, n_win, BN):
@@ -87,9 +134,10 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
             live = keys < n_win
             k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(vwb + keys[:, None] * vw_st + d[None, :], mask=live[:, None], other=0.0)
-            seen = live[None, :] & ((keys[None, :] // SLOT) <= (i[:, None] // SLOT)) & row_ok[:, None]
+            seen = _window_seen(qr, keys, live, row_ok, grp_b, SLOT, GROUPS)
             m_i, l_i, acc = _update(q, k, v, seen, m_i, l_i, acc, scale_log2, True)
 
+    # A row that saw no key (l_i = 0) stores out 0 and lse -inf, as the reference does.
     inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
     orow = (b * LQ + i) * H + hq  # [B, Lq, H] row of out
@@ -133,3 +181,66 @@ def packed_attn_combine(ws_o_ptr, ws_l_ptr, out_ptr, lse_ptr, n_out_rows, LQ, NS
     if WRITE_LSE:
         tl.store(lse_ptr + lrow, tl.where(wsum > 0.0, base + tl.log2(wsum) * 0.6931471805599453, float("-inf")),
                  mask=ok)
+
+
+@triton.jit
+def _mass_cols(q, k, seen, lse2, scale_log2):
+    """[BN] attention probability per key, summed over the rows where seen."""
+    s = tl.dot(q, tl.trans(k))
+    p = tl.exp2(s * scale_log2 - lse2[:, None])
+    return tl.sum(tl.where(seen, p, 0.0), 0)
+
+
+@triton.jit
+def attention_mass_fwd(q_ptr, kc_ptr, kw_ptr, pl_ptr, grp_ptr, see_ptr, idx_ptr, lse_ptr, qm_ptr, part_ptr,
+                       q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, kw_sb, kw_st, kw_sh, grp_sb, idx_sb, qm_sb, qm_st,
+                       S, scale_log2, LQ, SLOT, TPP,
+                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       GROUPS: tl.constexpr, PAGED: tl.constexpr):
+    """Per-key attention mass: program (row tile, (b, kv head), chunk) covers TPP key tiles of the keys
+    [prefix S | window LQ] and writes, per key, the sum of exp(score - lse) over its rows whose query is marked
+    in qm, into part[b, kvh * row_tiles + row_tile, key] (each entry written once: the sum over dim 1 is
+    deterministic). Keys nobody here sees get 0."""
+    G: tl.constexpr = H // KVH
+    ROWS = G * LQ
+    bh = tl.program_id(1)
+    b = (bh // KVH).to(tl.int64)
+    kvh = bh % KVH
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = r < ROWS
+    i = r // G
+    hq = kvh * G + r % G
+    d = tl.arange(0, D)
+    n = tl.arange(0, BN)
+    q = tl.load(q_ptr + b * q_sb + i[:, None] * q_st + hq[:, None] * q_sh + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    lse2 = tl.load(lse_ptr + (b * H + hq) * LQ + i, mask=row_ok, other=0.0) * 1.4426950408889634
+    want = row_ok & (tl.load(qm_ptr + b * qm_sb + i * qm_st, mask=row_ok, other=0) != 0)
+    ob = tl.minimum(tl.maximum(tl.load(pl_ptr + b).to(tl.int32), 0), S)
+    part = part_ptr + ((b * KVH + kvh) * tl.num_programs(0) + tl.program_id(0)) * (S + LQ)
+
+    ntp = tl.cdiv(S, BN)
+    t_lo = tl.program_id(2) * TPP
+    t_hi = tl.minimum(t_lo + TPP, ntp + tl.cdiv(LQ, BN))
+    kb = kc_ptr + b * kc_sb + kvh * kc_sh
+    idx_b = idx_ptr
+    if PAGED:
+        idx_b += b * idx_sb
+    for t in range(t_lo, tl.minimum(t_hi, ntp)):
+        keys = t * BN + n
+        live = keys < ob
+        rows = _prefix_rows(idx_b, keys, live, PAGED)
+        k = tl.load(kb + rows[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
+        tl.store(part + keys, _mass_cols(q, k, live[None, :] & want[:, None], lse2, scale_log2), mask=keys < S)
+
+    grp_b = grp_ptr
+    if GROUPS:
+        grp_b += b * grp_sb
+    qr = _query_rule(grp_b, see_ptr, i, row_ok, GROUPS)
+    kwb = kw_ptr + b * kw_sb + kvh * kw_sh
+    for t in range(tl.maximum(t_lo, ntp), t_hi):
+        keys = (t - ntp) * BN + n
+        live = keys < LQ
+        k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
+        seen = _window_seen(qr, keys, live, want, grp_b, SLOT, GROUPS)
+        tl.store(part + S + keys, _mass_cols(q, k, seen, lse2, scale_log2), mask=live)

@@ -1,8 +1,14 @@
-"""The packed-attention Triton kernels (triton_kernels.py) as a torch op.
+"""The packed-attention Triton kernels (triton_kernels.py) as torch ops.
 
-`torch.ops.compiledllm.packed_attention_triton(...)` takes the same arguments and returns the same as the
-CuPy op (packed.py's contract). Static launch: no host synchronisation, the split-K workspace only grows,
-so it compiles and captures. Triton is imported lazily: registering the op needs none.
+`torch.ops.compiledllm.packed_attention_triton(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see,
+kv_index, slot, scale, return_lse) -> (out, lse)` takes the kernels' form of launch.PackedArgs (slot > 0:
+BlockCausal(slot); slot 0: QueryGroups(group, see); kv_index: a paged source) and returns the same as the CuPy
+op. `torch.ops.compiledllm.attention_mass(q, k_cache, prefix_len, k_win, group, see, kv_index, slot, scale,
+lse, queries) -> mass [B, S + Q]` is the attention probability each key receives (prefix keys, then window
+keys) summed over the heads and the queries marked in queries [B, Q], from the forward's lse.
+
+Static launches: no host synchronisation, scratch from torch's allocator per call (launch.split_scratch), so
+they compile and capture. Triton is imported lazily: registering the ops needs none.
 """
 from __future__ import annotations
 
@@ -12,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.attention.launch import Workspace, check_inputs, fake_outputs, num_splits
+from compiledllm.attention.launch import (PackedArgs, check_inputs, fake_outputs, kernel_rule, num_splits, op_args,
+                                         split_scratch)
+
+_MASS_TILES_PER_PROGRAM = 4  # key tiles one mass program covers: its Q tile is read once for these
 
 
 @dataclass(frozen=True)
@@ -48,14 +57,21 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win, slot: int, scale: float,
-                                   return_lse: bool, tile: TritonTile | None = None, splits: int | None = None):
+def _source_strides(a: PackedArgs, t: torch.Tensor) -> tuple[int, ...]:
+    """(batch, token, head) strides of a row cache, or (0, row, head) of a pool (the kernels add kv_index rows)."""
+    return (0, *t.stride()[:2]) if a.kv_index is not None else t.stride()[:3]
+
+
+def packed_attention_triton_launch(args: PackedArgs, return_lse: bool, tile: TritonTile | None = None,
+                                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch (tile/splits override the heuristics, for tests and the benchmark)."""
     from compiledllm.attention.triton_kernels import packed_attn_combine, packed_attn_fwd
 
-    check_inputs(q, k_cache, v_cache, prefix_len, k_win, v_win)
+    check_inputs(args)
+    slot, group, see, idx = kernel_rule(args)
+    q, k_cache, v_cache, k_win, v_win = args.q, args.k_cache, args.v_cache, args.k_win, args.v_win
     B, Lq, H, D = q.shape
-    S, KVH = k_cache.shape[1], k_cache.shape[2]
+    S, KVH = args.keys, k_cache.shape[-2]
     rows = (H // KVH) * Lq
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32, device=q.device)
@@ -70,13 +86,16 @@ def packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win
         splits = num_splits(row_tiles * B * KVH, S, _num_sms(dev) * tile.ctas_per_sm)
     ns = splits
     n_out = B * Lq * H
-    ws = Workspace.get(q.device, ns * n_out * (D + 1)) if ns > 1 else out
+    ws = split_scratch(q.device, ns, n_out, D) if ns > 1 else out
     ws_o, ws_l = (ws, ws[ns * n_out * D:]) if ns > 1 else (out, lse)
-    strides = [x for t in (q, k_cache, v_cache, k_win, v_win) for x in t.stride()[:3]]
+    strides = [*q.stride()[:3], *_source_strides(args, k_cache), *_source_strides(args, v_cache),
+               *k_win.stride()[:3], *v_win.stride()[:3]]
     packed_attn_fwd[(row_tiles, B * KVH, ns)](
-        q, k_cache, v_cache, k_win, v_win, prefix_len, out, lse, ws_o, ws_l, *strides, S, n_out,
-        scale * math.log2(math.e), Lq, slot, ns, H=H, KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n,
-        WRITE_LSE=return_lse, WS=tile.warp_specialize, num_warps=tile.warps, num_stages=tile.stages)
+        q, k_cache, v_cache, k_win, v_win, args.prefix_len, out, lse, ws_o, ws_l, group, see, idx, *strides,
+        0 if group is None else group.stride(0), 0 if idx is None else idx.stride(0), S, n_out,
+        args.softmax_scale * math.log2(math.e), Lq, slot, ns, H=H, KVH=KVH, D=D, BM=tile.block_m,
+        BN=tile.block_n, WRITE_LSE=return_lse, WS=tile.warp_specialize, GROUPS=group is not None,
+        PAGED=idx is not None, num_warps=tile.warps, num_stages=tile.stages)
     if ns > 1:
         rb = 16
         packed_attn_combine[(-(-n_out // rb),)](ws_o, ws_l, out, lse, n_out, Lq, ns, H=H, D=D, RB=rb,
@@ -84,14 +103,65 @@ def packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win
     return out, lse
 
 
+def attention_mass_triton_launch(args: PackedArgs, lse: torch.Tensor, queries: torch.Tensor,
+                                 tile: TritonTile | None = None) -> torch.Tensor:
+    """mass [B, S + Q] float32 from the forward's lse [B, H, Q] and queries [B or 1, Q] bool (tile: for tests)."""
+    from compiledllm.attention.triton_kernels import attention_mass_fwd
+
+    check_inputs(args)
+    slot, group, see, idx = kernel_rule(args)
+    q, k_cache, k_win = args.q, args.k_cache, args.k_win
+    B, Lq, H, D = q.shape
+    S, KVH = args.keys, k_cache.shape[-2]
+    if lse.shape != (B, H, Lq) or lse.dtype != torch.float32:
+        raise ValueError(f"attention mass: lse must be the forward's float32 [B, H, Q] = {(B, H, Lq)}")
+    if queries.dtype != torch.bool or queries.dim() != 2 or queries.shape[1] != Lq:
+        raise ValueError(f"attention mass: queries must be a bool [B or 1, {Lq}] tensor")
+    if B * Lq == 0:
+        return torch.zeros((B, S + Lq), dtype=torch.float32, device=q.device)
+    if any(t.stride(-1) != 1 for t in (q, k_cache, k_win)):
+        q, k_cache, k_win = (t.contiguous() for t in (q, k_cache, k_win))
+    lse = lse.contiguous()
+    qm = queries.expand(B, Lq).view(torch.uint8)
+    rows = (H // KVH) * Lq
+    tile = tile or default_triton_tile(rows)
+    row_tiles = -(-rows // tile.block_m)
+    key_tiles = -(-S // tile.block_n) + -(-Lq // tile.block_n)
+    part = torch.empty((B, KVH * row_tiles, S + Lq), dtype=torch.float32, device=q.device)
+    attention_mass_fwd[(row_tiles, B * KVH, -(-key_tiles // _MASS_TILES_PER_PROGRAM))](
+        q, k_cache, k_win, args.prefix_len, group, see, idx, lse, qm, part, *q.stride()[:3],
+        *_source_strides(args, k_cache), *k_win.stride()[:3], 0 if group is None else group.stride(0),
+        0 if idx is None else idx.stride(0), *qm.stride(), S, args.softmax_scale * math.log2(math.e), Lq, slot,
+        _MASS_TILES_PER_PROGRAM, H=H, KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n, GROUPS=group is not None,
+        PAGED=idx is not None, num_warps=tile.warps, num_stages=tile.stages)
+    return part.sum(1)
+
+
 @torch.library.custom_op("compiledllm::packed_attention_triton", mutates_args=(), device_types="cuda")
 def packed_attention_triton_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               prefix_len: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, slot: int,
-                               scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                               prefix_len: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                               group: torch.Tensor | None, see: torch.Tensor | None, kv_index: torch.Tensor | None,
+                               slot: int, scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Lq, H, D] and lse [B, H, Lq] (an empty tensor when return_lse is False)."""
-    return packed_attention_triton_launch(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse)
+    args = op_args(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot, scale)
+    return packed_attention_triton_launch(args, return_lse)
 
 
 @packed_attention_triton_op.register_fake
-def _(q, k_cache, v_cache, prefix_len, k_win, v_win, slot, scale, return_lse):
+def _(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot, scale, return_lse):
     return fake_outputs(q, return_lse)
+
+
+@torch.library.custom_op("compiledllm::attention_mass", mutates_args=(), device_types="cuda")
+def attention_mass_op(q: torch.Tensor, k_cache: torch.Tensor, prefix_len: torch.Tensor, k_win: torch.Tensor,
+                      group: torch.Tensor | None, see: torch.Tensor | None, kv_index: torch.Tensor | None, slot: int,
+                      scale: float, lse: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """mass [B, S + Q] float32 (S: prefix keys addressable per row)."""
+    args = op_args(q, k_cache, k_cache, prefix_len, k_win, k_win, group, see, kv_index, slot, scale)
+    return attention_mass_triton_launch(args, lse, queries)
+
+
+@attention_mass_op.register_fake
+def _(q, k_cache, prefix_len, k_win, group, see, kv_index, slot, scale, lse, queries):
+    S = kv_index.shape[1] if kv_index is not None else k_cache.shape[1]
+    return q.new_empty((q.shape[0], S + q.shape[1]), dtype=torch.float32)

@@ -1,4 +1,4 @@
-// Packed block-diffusion attention: each row's frozen KV prefix plus a block-causal window.
+// Packed block-diffusion attention: each row's KV prefix plus the window's own keys under a mask rule.
 //
 // Flash-attention style forward on the tensor cores (mma.sync m16n8k16, fp32 accumulate).
 // One CTA owns BM query rows of ONE (batch row, KV head): rows are (query i, group head g)
@@ -10,7 +10,11 @@
 // Compile-time configuration (set with -D by cupy_packed.py):
 //   IS_BF16 (1 bf16 / 0 fp16), HEAD_DIM (64/128), NWARPS, MTILES (16-row tiles per warp),
 //   BLOCK_N (keys per tile), STAGES (cp.async ring depth), QREGS (Q fragments kept in registers),
-//   MINBLOCKS (launch-bounds occupancy hint).
+//   MINBLOCKS (launch-bounds occupancy hint),
+//   RULE_GROUPS (1: QueryGroups, window key j visible to query i iff bit group[j] of see[group[i]] is set;
+//   0: block-causal by `slot`), PAGED_KV (1: prefix key s of row b is pool row kv_index[b, s] of kc / vc
+//   [N, KVH, D]; 0: row b's own cache). Both are defines so that the block-causal dense build is the code it
+//   was before them.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -110,7 +114,9 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
                 int B, int Lq, int H, int KVH, int S, int slot, int nsplit, float scale_log2,
                 i64 q_sb, i64 q_st, i64 q_sh, i64 kc_sb, i64 kc_st, i64 kc_sh,
                 i64 vc_sb, i64 vc_st, i64 vc_sh, i64 kw_sb, i64 kw_st, i64 kw_sh,
-                i64 vw_sb, i64 vw_st, i64 vw_sh) {
+                i64 vw_sb, i64 vw_st, i64 vw_sh,
+                const int* __restrict__ group, i64 grp_sb, const int* __restrict__ see,
+                const void* __restrict__ kv_index, int idx_is64, i64 idx_sb) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.y / KVH, kvh = blockIdx.y % KVH, split = blockIdx.z;
@@ -125,11 +131,15 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
   const int t_lo = min(ntp, split * per), t_hi = min(ntp, t_lo + per);
   const int p_lo = t_lo * BN, p_hi = min(ob, t_hi * BN);
   const int n_pre = t_hi - t_lo;
-  // The window goes to the last split, up to the end of the last slot any row here can see.
+  // The window goes to the last split, up to the end of the last slot any row here can see (groups: all of it).
   int n_win_keys = 0;
   if (split == nsplit - 1) {
+#if RULE_GROUPS
+    n_win_keys = Lq;
+#else
     const int imax = (min(row0 + BM, rows) - 1) / G;
     n_win_keys = min(Lq, (imax / slot + 1) * slot);
+#endif
   }
   const int ntiles = n_pre + (n_win_keys + BN - 1) / BN;
 
@@ -154,6 +164,25 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
   const int ld_r = tid / CHUNKS, ld_c = tid % CHUNKS;
   const u32 ld_off = swz(ld_r, ld_c);
   auto load_tile = [&](int t, int stage) {
+#if PAGED_KV
+    if (t < n_pre) {  // pool rows through kv_index (unit last stride), 64-bit: a pool may pass 2^31 elements
+      const int p0 = p_lo + t * BN;
+      const i64 ib = (i64)b * idx_sb + p0 + ld_r;
+      const u16* kb = kc + kvh * kc_sh + ld_c * 8;
+      const u16* vb = vc + kvh * vc_sh + ld_c * 8;
+      const u32 sK = sKV + stage * 2 * TILE_BYTES, sV = sK + TILE_BYTES;
+#pragma unroll
+      for (int j = 0; j < BN / RSTEP; ++j) {
+        const bool ok = p0 + ld_r + j * RSTEP < p_hi;
+        const i64 row = !ok ? 0
+                        : idx_is64 ? ((const i64*)kv_index)[ib + j * RSTEP]
+                                   : (i64)((const int*)kv_index)[ib + j * RSTEP];
+        cp_async16(sK + ld_off + j * RSTEP * D * 2, kb + row * kc_st, ok);
+        cp_async16(sV + ld_off + j * RSTEP * D * 2, vb + row * vc_st, ok);
+      }
+      return;
+    }
+#endif
     const u16 *kb, *vb;
     i64 kst, vst;
     int valid;
@@ -211,12 +240,26 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
               qf[mt][kk][3]);
 #endif
 
+#if RULE_GROUPS
+  // Each thread owns rows (lane>>2) and (lane>>2)+8 of each of its m-tiles: their group's see bitmask (rows
+  // past G*Lq see no window key; they are never stored).
+  const int* grp = group + (i64)b * grp_sb;
+  u32 qsee[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + wrow + mt * 16 + (lane >> 2) + h * 8;
+      qsee[mt][h] = row < rows ? (u32)see[grp[row / G]] : 0u;
+    }
+#else
   // Each thread owns rows (lane>>2) and (lane>>2)+8 of each of its m-tiles: their window slot.
   int qslot[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) qslot[mt][h] = ((row0 + wrow + mt * 16 + (lane >> 2) + h * 8) / G) / slot;
+#endif
 
   float o[MT][DT][4];
   float m[MT][2], l[MT][2];
@@ -266,7 +309,7 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
 #undef AFRAG
     }
 
-    // Scale into the log2 domain; mask the tile's tail and the window's future slots.
+    // Scale into the log2 domain; mask the tile's tail and the window keys the rule hides.
     const bool is_win = t >= n_pre;
     const int k0 = is_win ? (t - n_pre) * BN : p_lo + t * BN;
     const int kvalid = is_win ? n_win_keys - k0 : p_hi - k0;
@@ -285,7 +328,11 @@ packed_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ kc, const u16
           for (int e = 0; e < 4; ++e) {
             const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
             bool dead = col >= kvalid;
+#if RULE_GROUPS
+            if (is_win) dead = dead || !((qsee[mt][e >> 1] >> grp[k0 + col]) & 1u);  // not dead: k0 + col < Lq
+#else
             if (is_win) dead = dead || (k0 + col) / slot > qslot[mt][e >> 1];
+#endif
             if (dead) s[mt][nt][e] = neg_inf();
           }
     }

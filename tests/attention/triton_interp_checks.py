@@ -1,17 +1,21 @@
 """Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
 test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
-Usage: TRITON_INTERPRET=1 python tests/triton_interp_checks.py {routed,routing,confidence,attention,head}
+Usage: TRITON_INTERPRET=1 python tests/attention/triton_interp_checks.py {routed,routing,confidence,attention,mass,head}
 The interpreter has no bf16 (numpy), so the expert and attention kernels run in fp16 here; bf16 runs on the
 GPU tests."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from compiledllm.attention.packed import packed_attention_ref
-from compiledllm.attention.triton_packed import TritonTile, packed_attention_triton_launch
+from compiledllm.attention.launch import PackedArgs
+from compiledllm.attention.reference import reference
+from compiledllm.attention.spec import Bidirectional, BlockCausal, QueryGroups
+from compiledllm.attention.triton_packed import (TritonTile, attention_mass_triton_launch,
+                                                 packed_attention_triton_launch)
 from compiledllm.models import moe_triton
 from compiledllm.models.config import MoEConfig
 from compiledllm.models.layers import MoE
@@ -96,6 +100,62 @@ def confidence_kernel() -> None:
             assert (fused_v[~need] == mask).all() and (fused_p[~need] == -1).all()
 
 
+def _f32(a: PackedArgs) -> PackedArgs:
+    """The same arguments in float32: the reference's float32 math on the kernel's fp16 values."""
+    return replace(a, **{f: getattr(a, f).float() for f in ("q", "k_cache", "v_cache", "k_win", "v_win")})
+
+
+def _check_attention(a: PackedArgs, tile: TritonTile, splits: int, rows: torch.Tensor | None = None,
+                     what=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel vs reference on the query rows marked in rows [B, Q] (None: all); returns the kernel's out, lse."""
+    out, lse = packed_attention_triton_launch(a, True, tile=tile, splits=splits)
+    ref, ref_lse, _ = reference(_f32(a), return_lse=True)
+    o, l = out, lse
+    if rows is not None:
+        o, ref, l, ref_lse = out[rows], ref[rows], lse.transpose(1, 2)[rows], ref_lse.transpose(1, 2)[rows]
+    err = ((o.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-3, (what, splits, err)
+    torch.testing.assert_close(l, ref_lse, rtol=0, atol=2e-3)
+    return out, lse
+
+
+def _rule_cases(g: torch.Generator):
+    """(B, S, Lq, H, KVH, prefix per row, rule, pool rows N (None: dense cache) or (N, index dtype), tile, splits,
+    the query rows to compare (None: all)): QueryGroups with 2 and 3 groups, broadcast and per-row layouts (a
+    query may see window keys after it: no block-causal shortcut), Bidirectional with padding, a paged source
+    (shuffled pool, S < N, prefix < S), split-K, row tiles, and a row that sees no key at all."""
+    herald = torch.tensor([[0] * 8 + [1] * 8])  # [block | draft]: each sees its own group
+    verify = torch.randint(0, 3, (1, 12), generator=g)  # {tracked, draft, mask} interleaved
+    per_row = torch.randint(0, 3, (3, 16), generator=g)
+    length = torch.tensor([16, 9, 0])
+    blind = torch.zeros(2, 16, dtype=torch.int32)  # group 0 sees only group 1's keys: row 0 (no prefix) sees nothing
+    blind[1, 5:] = 1
+    t16 = TritonTile(16, 16, 4, 1)
+    return [
+        (2, 37, 16, 4, 2, [37, 12], QueryGroups(herald, torch.tensor([1, 2])), None, t16, 1, None),
+        (2, 70, 12, 8, 2, [70, 29], QueryGroups(verify, torch.tensor([1, 3, 5])), None, t16, 3, None),
+        (3, 40, 16, 4, 2, [0, 40, 17], QueryGroups(per_row, torch.tensor([1, 3, 5])), None, TritonTile(16, 32, 4, 1),
+         2, None),
+        (3, 20, 16, 4, 4, [20, 0, 5], Bidirectional(length), None, t16, 1, None),
+        (3, 40, 8, 4, 2, [40, 11, 0], BlockCausal(4), (97, torch.int64), t16, 2, None),
+        (3, 40, 16, 4, 2, [0, 40, 23], QueryGroups(per_row, torch.tensor([1, 3, 5])), (130, torch.int32), t16, 3,
+         None),
+        (2, 24, 16, 2, 1, [0, 9], QueryGroups(blind, torch.tensor([2, 2])), None, t16, 2, None),
+    ]
+
+
+def _rule_args(g: torch.Generator, B, S, Lq, H, KVH, prefix, rule, pool) -> PackedArgs:
+    q = torch.randn(B, Lq, H, 64, generator=g).half()
+    kw, vw = torch.randn(B, Lq, KVH, 64, generator=g).half(), torch.randn(B, Lq, KVH, 64, generator=g).half()
+    if pool is None:
+        kc, vc = torch.randn(B, S, KVH, 64, generator=g).half(), torch.randn(B, S, KVH, 64, generator=g).half()
+        return PackedArgs(q, kc, vc, torch.tensor(prefix), kw, vw, rule, scale=0.125)
+    N, dtype = pool
+    kc, vc = torch.randn(N, KVH, 64, generator=g).half(), torch.randn(N, KVH, 64, generator=g).half()
+    idx = torch.stack([torch.randperm(N, generator=g)[:S] for _ in range(B)]).to(dtype)
+    return PackedArgs(q, kc, vc, torch.tensor(prefix, dtype=torch.int32), kw, vw, rule, kv_index=idx, scale=0.125)
+
+
 def attention() -> None:
     g = torch.Generator().manual_seed(0)
     # (B, S, Lq, H, KVH, slot, prefix per row, tile, splits): empty / partial / full prefixes, GQA, slots smaller
@@ -108,13 +168,40 @@ def attention() -> None:
         q = torch.randn(B, Lq, H, 64, generator=g).half()
         kc, vc = torch.randn(B, S, KVH, 64, generator=g).half(), torch.randn(B, S, KVH, 64, generator=g).half()
         kw, vw = torch.randn(B, Lq, KVH, 64, generator=g).half(), torch.randn(B, Lq, KVH, 64, generator=g).half()
-        pl = torch.tensor(prefix)
-        out, lse = packed_attention_triton_launch(q, kc, vc, pl, kw, vw, slot, 0.125, True, tile=tile, splits=splits)
-        ref, ref_lse = packed_attention_ref(q.float(), kc.float(), vc.float(), pl, kw.float(), vw.float(), slot,
-                                            0.125, return_lse=True)
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert err < 2e-3, (B, S, Lq, H, KVH, slot, prefix, splits, err)
-        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3)
+        _check_attention(PackedArgs(q, kc, vc, torch.tensor(prefix), kw, vw, BlockCausal(slot), scale=0.125), tile,
+                         splits, what=(B, S, Lq, H, KVH, slot, prefix))
+    # The other rules and the paged source.
+    for B, S, Lq, H, KVH, prefix, rule, pool, tile, splits, rows in _rule_cases(g):
+        a = _rule_args(g, B, S, Lq, H, KVH, prefix, rule, pool)
+        out, lse = _check_attention(a, tile, splits, rows, what=(B, S, Lq, type(rule).__name__, prefix, pool))
+        if isinstance(rule, QueryGroups) and torch.equal(rule.see, torch.tensor([2, 2])):  # the blind row
+            assert (out[0] == 0).all() and (lse[0] == float("-inf")).all() and lse[1].isfinite().all()
+
+
+def mass() -> None:
+    """The per-key attention mass against the reference's, from the kernel's own lse, over query masks with some
+    (or all) queries left out; keys no counted query sees get exactly 0."""
+    g = torch.Generator().manual_seed(1)
+    cases = [(2, 45, 8, 4, 2, [45, 20], BlockCausal(4), None, TritonTile(16, 16, 4, 1), 2, None),
+             *_rule_cases(g)]
+    for B, S, Lq, H, KVH, prefix, rule, pool, tile, splits, rows in cases:
+        a = _rule_args(g, B, S, Lq, H, KVH, prefix, rule, pool)
+        queries = torch.rand(B, Lq, generator=g) < 0.6
+        queries[-1] = False
+        if rows is not None:
+            queries &= rows
+        _, lse = packed_attention_triton_launch(a, True, tile=tile, splits=splits)
+        m = attention_mass_triton_launch(a, lse, queries, tile=tile)
+        _, _, ref = reference(_f32(a), mass_queries=queries)
+        assert m.shape == (B, S + Lq) and m.dtype == torch.float32
+        torch.testing.assert_close(m, ref, rtol=1e-3, atol=1e-6)
+        assert (m[-1] == 0).all()
+        for b, o in enumerate(prefix):
+            assert (m[b, o:S] == 0).all(), (b, o)
+    # Broadcast queries [1, Q] are every row's.
+    m1 = attention_mass_triton_launch(a, lse, queries[:1], tile=tile)
+    torch.testing.assert_close(m1, attention_mass_triton_launch(a, lse, queries[:1].expand(B, Lq).clone(),
+                                                                tile=tile), rtol=0, atol=0)
 
 
 def head() -> None:
@@ -134,6 +221,6 @@ def head() -> None:
 
 
 if __name__ == "__main__":
-    {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "head": head}[
-        sys.argv[1]]()
+    {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "mass": mass,
+     "head": head}[sys.argv[1]]()
     print("ok")

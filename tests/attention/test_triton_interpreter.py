@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 CHECKS = Path(__file__).with_name("triton_interp_checks.py")
 
 
-@pytest.mark.parametrize("check", ["routed", "routing", "confidence", "attention", "head"])
+@pytest.mark.parametrize("check", ["routed", "routing", "confidence", "attention", "mass", "head"])
 def test_kernel_in_interpreter(check):
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(CHECKS), check], env=env, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,66 @@
+"""The torch reference of packed attention for every mask rule and KV source (float32 math, explicit masks).
+
+Processes the batch in chunks so that its float32 scores and K/V copies stay near _REF_CHUNK_BYTES; no host
+synchronisation, so it also runs inside a CUDA graph. A query that sees no key gets out = 0 and lse = -inf (the
+kernels' convention). With `mass_queries` it also returns the attention mass per key [B, S + Q] (prefix keys,
+then window keys), summed over heads and the queries marked True.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiledllm.attention.launch import PackedArgs
+from compiledllm.attention.spec import ExplicitMask
+
+_REF_CHUNK_BYTES = 256 << 20
+
+
+def _rows(q, kc, vc, pre_seen, kw, vw, win_seen, scale, mass_q):
+    """One chunk of rows: pre_seen [B, 1 or Q, S], win_seen [B or 1, 1 or Q, Q] bool."""
+    B, Lq, H, D = q.shape
+    S, KVH = kc.shape[1], kc.shape[2]
+    qf = q.float().view(B, Lq, KVH, H // KVH, D)
+    s_pre = torch.einsum("bikgd,bjkd->bkgij", qf, kc.float())  # [B, KVH, G, Lq, S]
+    s_win = torch.einsum("bikgd,bjkd->bkgij", qf, kw.float())  # [B, KVH, G, Lq, Lq]
+    s_pre = s_pre.masked_fill(~pre_seen[:, None, None], float("-inf"))
+    s_win = s_win.masked_fill(~win_seen[:, None, None], float("-inf"))
+    scores = torch.cat([s_pre, s_win], dim=-1) * scale
+    lse = torch.logsumexp(scores, dim=-1)  # [B, KVH, G, Lq]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a query that sees nothing: 0 everywhere
+    out = torch.einsum("bkgij,bjkd->bikgd", probs[..., :S], vc.float())
+    out = out + torch.einsum("bkgij,bjkd->bikgd", probs[..., S:], vw.float())
+    mass = None
+    if mass_q is not None:
+        mass = (probs * mass_q[:, None, None, :, None].float()).sum(dim=(1, 2, 3))  # [B, S + Lq]
+    return out.reshape(B, Lq, H, D), lse.reshape(B, H, Lq), mass
+
+
+def reference(a: PackedArgs, return_lse: bool = False, mass_queries: torch.Tensor | None = None):
+    """(out [B, Q, H, D] in q's dtype, lse [B, H, Q] float32 or None, mass [B, S + Q] float32 or None)."""
+    q = a.q
+    B, Lq, H, D = q.shape
+    if mass_queries is not None:
+        mass_queries = mass_queries.expand(B, Lq)
+    kc, vc = a.k_cache, a.v_cache
+    if a.kv_index is not None:  # a pool addressed through an index: gather each row's keys
+        kc, vc = kc[a.kv_index.long()], vc[a.kv_index.long()]
+    S, KVH = kc.shape[1], kc.shape[2]
+    pre_seen = (torch.arange(S, device=q.device)[None, :] < a.prefix_len.to(q.device)[:, None])[:, None, :]
+    if isinstance(a.rule, ExplicitMask):
+        pre_seen = pre_seen & a.rule.mask[..., :S]
+    win_seen = a.rule.window_mask(Lq, q.device)
+    if win_seen.dim() == 2:
+        win_seen = win_seen[None]
+    per_row = 4 * (H * Lq * (S + Lq) * 2 + 2 * (S + Lq) * KVH * D)
+    step = max(1, _REF_CHUNK_BYTES // max(per_row, 1))
+    outs, lses, masses = [], [], []
+    for b0 in range(0, B, step):
+        r = slice(b0, b0 + step)
+        w = win_seen if win_seen.shape[0] == 1 else win_seen[r]
+        o, lse, m = _rows(q[r], kc[r], vc[r], pre_seen[r], a.k_win[r], a.v_win[r], w, a.softmax_scale,
+                          None if mass_queries is None else mass_queries[r])
+        outs.append(o.to(q.dtype))
+        lses.append(lse)
+        masses.append(m)
+    cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
+    return cat(outs), (cat(lses) if return_lse else None), (cat(masses) if mass_queries is not None else None)

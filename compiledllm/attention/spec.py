@@ -1,0 +1,107 @@
+"""What a forward attends to, as data a policy builds and the attention backend reads (docs/design.md §3).
+
+A forward's queries are its own Q tokens ("the window"). Every query sees
+
+* the visible prefix of the layer's KV source: keys [0, prefix_len[b]) of the row's cache, or of a pool through
+  an index (`kv_index`: key s of row b is pool row kv_index[b, s]); a KV view that holds its own valid length
+  (a sparse pool) overrides prefix_len;
+* the window's own fresh keys, as the mask rule says.
+
+Mask rules (each has a torch form, `window_mask`, which the reference and the dense path use):
+
+* `BlockCausal(block)`: window key j is visible to window query i iff j // block <= i // block. A window of W
+  blocks decoded together (FlowBlock) is block-causal among its blocks and bidirectional inside each; block = Q is
+  a fully bidirectional window. Window indices, so the window must start on a block boundary.
+* `QueryGroups(group, see)`: each window token is in a group (group [B, Q] int32, or [1, Q] for every row); a
+  query of group a sees the window keys of group b iff bit b of see[a] is set (G <= 31). HERALD's 2B forward:
+  groups {block, draft}, see = [0b01, 0b10]; Flash-Verify's views: {tracked, draft, mask}, see = [1, 3, 5].
+  Build group and see on the device (e.g. `1 << torch.arange(G)`): a captured step cannot copy from the host.
+* `Bidirectional(length)`: every query sees window keys j < length[b] (bidirectional models: the whole
+  working sequence, padding hidden).
+* `ExplicitMask(mask)`: [B, Q, S + Q] bool over the prefix keys then the window keys (the reference only).
+
+Statistics: with `stats` set (a [B, S + Q] float32 accumulator), each layer in `stats_layers` adds the attention
+mass every key receives, summed over heads and the `stats_queries` ([B, Q] bool) - Flash-dLLM's tracker score.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_GROUPS = 31
+
+
+@dataclass(frozen=True)
+class BlockCausal:
+    block: int
+
+    def window_mask(self, q_len: int, device=None) -> torch.Tensor:
+        """[1, Q, Q] bool."""
+        s = torch.arange(q_len, device=device) // self.block
+        return (s[None, :] <= s[:, None])[None]
+
+
+@dataclass(frozen=True)
+class QueryGroups:
+    group: torch.Tensor  # [B or 1, Q] int32
+    see: torch.Tensor    # [G] int32 bitmasks
+
+    def window_mask(self, q_len: int, device=None) -> torch.Tensor:
+        """[B or 1, Q, Q] bool."""
+        g = self.group.long()
+        vis = self.see.long()[g]  # [B, Q]: the bitmask of each query's group
+        return ((vis[:, :, None] >> g[:, None, :]) & 1).bool()
+
+
+@dataclass(frozen=True)
+class Bidirectional:
+    length: torch.Tensor  # [B]
+
+    def window_mask(self, q_len: int, device=None) -> torch.Tensor:
+        """[B, 1, Q] bool (every query of a row sees the same keys)."""
+        return (torch.arange(q_len, device=self.length.device) < self.length[:, None])[:, None, :]
+
+
+@dataclass(frozen=True)
+class ExplicitMask:
+    mask: torch.Tensor  # [B, Q, S + Q] bool
+
+    def window_mask(self, q_len: int, device=None) -> torch.Tensor:
+        return self.mask[..., self.mask.shape[-1] - q_len:]
+
+
+MaskRule = BlockCausal | QueryGroups | Bidirectional | ExplicitMask
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementations a forward uses (None / "auto": the fastest available). Export passes
+    Kernels("torch", "grouped_mm"): an AOTInductor package can only run torch's own ops."""
+
+    attention: str | None = None  # None, "triton", "cupy" or "torch" (the reference)
+    moe: str = "auto"             # "auto", "triton" or "grouped_mm"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    rule: MaskRule
+    prefix_len: torch.Tensor | None = None   # [B]; None: no KV source, the forward attends among its own tokens
+    kv_index: torch.Tensor | None = None     # [B, S] int: a pool addressed through an index (None: dense rows)
+    stats: torch.Tensor | None = None        # [B, S + Q] float32 accumulator of per-key attention mass
+    stats_queries: torch.Tensor | None = None  # [B, Q] bool: the queries whose mass counts (None: all)
+    stats_layers: tuple[int, ...] | None = None  # layers that add to stats (None: all)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rule, ExplicitMask) and self.kv_index is not None:
+            raise ValueError("ExplicitMask addresses the prefix by position: it takes no kv_index")
+
+    def wants_stats(self, layer: int) -> bool:
+        return self.stats is not None and (self.stats_layers is None or layer in self.stats_layers)
+
+
+def block_causal_mask(length: int, block_size: int | None, device=None) -> torch.Tensor:
+    """[L, L] bool: block-causal from absolute position 0 (query block i sees key blocks <= i); None = all."""
+    if block_size is None:
+        return torch.ones(length, length, dtype=torch.bool, device=device)
+    return BlockCausal(block_size).window_mask(length, device)[0]

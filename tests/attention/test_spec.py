@@ -1,0 +1,123 @@
+"""What an AttentionSpec means (docs/design.md §3): the rules' masks, the reference under each rule and KV source,
+per-key attention mass, and the backend's read-then-write order with -1 writes skipped."""
+from __future__ import annotations
+
+import torch
+
+from compiledllm.attention.backend import attend
+from compiledllm.attention.launch import PackedArgs
+from compiledllm.attention.reference import reference
+from compiledllm.attention.spec import (AttentionSpec, Bidirectional, BlockCausal, ExplicitMask, QueryGroups,
+                                        block_causal_mask)
+from compiledllm.kv.cache import KVCache
+from compiledllm.policies.plan import Forward
+
+
+def test_rule_masks_by_hand():
+    assert BlockCausal(2).window_mask(4)[0].int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert torch.equal(block_causal_mask(6, 3), BlockCausal(3).window_mask(6)[0])
+    herald = QueryGroups(torch.tensor([[0, 0, 1, 1]]), torch.tensor([0b01, 0b10]))  # block | draft copy
+    assert herald.window_mask(4)[0].int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+    verify = QueryGroups(torch.tensor([[0, 1, 2]]), torch.tensor([1, 3, 5]))  # tracked, draft view, mask view
+    assert verify.window_mask(3)[0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    assert Bidirectional(torch.tensor([2, 3])).window_mask(3).int().tolist() == [[[1, 1, 0]], [[1, 1, 1]]]
+
+
+def inputs(B=2, S=7, Q=4, H=4, KVH=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return r(B, Q, H, D), r(B, S, KVH, D), r(B, S, KVH, D), r(B, Q, KVH, D), r(B, Q, KVH, D)
+
+
+def naive(q, kc, vc, prefix, kw, vw, seen_win, scale):
+    """Row by row in float64: prefix keys [0, prefix[b]) and window keys j where seen_win[b, i, j]."""
+    B, Q, H, D = q.shape
+    G = H // kc.shape[2]
+    out = torch.zeros(B, Q, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                ks = [kc[b, s, h // G] for s in range(int(prefix[b]))] + [kw[b, j, h // G] for j in range(Q) if seen_win[b, i, j]]
+                vs = [vc[b, s, h // G] for s in range(int(prefix[b]))] + [vw[b, j, h // G] for j in range(Q) if seen_win[b, i, j]]
+                if ks:
+                    w = torch.softmax(torch.stack(ks).double() @ q[b, i, h].double() * scale, 0)
+                    out[b, i, h] = w @ torch.stack(vs).double()
+    return out
+
+
+def test_reference_under_each_rule_matches_row_by_row_loops():
+    q, kc, vc, kw, vw = inputs()
+    prefix = torch.tensor([3, 7])
+    rules = [BlockCausal(2), QueryGroups(torch.tensor([[0, 0, 1, 1], [1, 0, 1, 0]]), torch.tensor([0b01, 0b11])),
+             Bidirectional(torch.tensor([4, 2]))]
+    for rule in rules:
+        out, _, _ = reference(PackedArgs(q, kc, vc, prefix, kw, vw, rule))
+        seen = rule.window_mask(4).expand(2, 4, 4)
+        torch.testing.assert_close(out.double(), naive(q, kc, vc, prefix, kw, vw, seen, 8 ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_mask_and_paged_source_are_the_same_attention():
+    q, kc, vc, kw, vw = inputs()
+    prefix = torch.tensor([5, 2])
+    want, want_lse, _ = reference(PackedArgs(q, kc, vc, prefix, kw, vw, BlockCausal(2)), return_lse=True)
+    explicit = torch.cat([(torch.arange(7) < prefix[:, None])[:, None, :].expand(2, 4, 7),
+                          BlockCausal(2).window_mask(4).expand(2, 4, 4)], dim=2)
+    got, got_lse, _ = reference(PackedArgs(q, kc, vc, torch.tensor([7, 7]), kw, vw, ExplicitMask(explicit)), True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, want_lse)
+    # the same keys as a shuffled pool [N, KVH, D] addressed through kv_index
+    perm = torch.randperm(14, generator=torch.Generator().manual_seed(1))
+    pool_k, pool_v = torch.empty(14, 2, 8), torch.empty(14, 2, 8)
+    pool_k[perm], pool_v[perm] = kc.reshape(14, 2, 8), vc.reshape(14, 2, 8)
+    index = perm.view(2, 7)
+    paged, _, _ = reference(PackedArgs(q, pool_k, pool_v, prefix, kw, vw, BlockCausal(2), kv_index=index))
+    torch.testing.assert_close(paged, want)
+
+
+def test_attention_mass_is_probability_summed_over_heads_and_chosen_queries():
+    q, kc, vc, kw, vw = inputs()
+    prefix = torch.tensor([3, 7])
+    chosen = torch.tensor([[True, False, True, True], [False, False, False, True]])
+    _, _, mass = reference(PackedArgs(q, kc, vc, prefix, kw, vw, BlockCausal(2)), mass_queries=chosen)
+    assert mass.shape == (2, 7 + 4)
+    torch.testing.assert_close(mass.sum(1), chosen.sum(1).float() * 4)  # each (query, head) row sums to 1
+    assert (mass[0, 3:7] == 0).all()  # past row 0's prefix
+    assert (mass[1, 7 + 2:] > 0).all() and (mass[1, 7:9] > 0).all()  # row 1's last query sees the whole window
+
+
+def test_attend_reads_the_cache_before_writing_and_skips_minus_one():
+    B, Q, H, KVH, D = 2, 4, 4, 2, 8
+    kv = KVCache.allocate(1, B, 12, KVH, D, torch.float32, "cpu")
+    kv.k.normal_()
+    kv.v.normal_()
+    cache_k, cache_v = kv.k.clone(), kv.v.clone()
+    q, _, _, kw, vw = inputs(B, 12, Q, H, KVH, D)
+    prefix = torch.tensor([4, 8])
+    pos = prefix[:, None] + torch.arange(Q)
+    write = torch.where(torch.tensor([[True, True, False, True], [False] * 4]), pos, -1)
+    fwd = Forward(torch.zeros(B, Q, dtype=torch.long), pos, AttentionSpec(BlockCausal(Q), prefix_len=prefix),
+                  kv_write=write)
+    out = attend(q, kw, vw, fwd, kv.layer(0), 0)
+    want, _, _ = reference(PackedArgs(q, cache_k[:, 0], cache_v[:, 0], prefix, kw, vw, BlockCausal(Q)))
+    torch.testing.assert_close(out, want)
+    for b in range(B):
+        for j in range(Q):
+            p = int(write[b, j])
+            if p >= 0:
+                cache_k[b, 0, p], cache_v[b, 0, p] = kw[b, j], vw[b, j]
+    assert torch.equal(kv.k, cache_k) and torch.equal(kv.v, cache_v)
+
+
+def test_stats_accumulate_over_the_layers_asked():
+    q, kc, vc, kw, vw = inputs()
+    kv = KVCache(torch.cat([kc, kc[:, :1]], 1)[:, None], torch.cat([vc, vc[:, :1]], 1)[:, None])
+    stats = torch.zeros(2, 11)
+    spec = AttentionSpec(BlockCausal(2), prefix_len=torch.tensor([3, 7]), stats=stats, stats_layers=(1,))
+    fwd = Forward(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), spec)
+    attend(q, kw, vw, fwd, kv.layer(0), 0)
+    assert (stats == 0).all()  # layer 0 was not asked
+    attend(q, kw, vw, fwd, kv.layer(0), 1)
+    attend(q, kw, vw, fwd, kv.layer(0), 1)
+    _, _, mass = reference(PackedArgs(q, kc, vc, torch.tensor([3, 7]), kw, vw, BlockCausal(2)),
+                           mass_queries=torch.ones(2, 4, dtype=torch.bool))
+    torch.testing.assert_close(stats, 2 * mass)
