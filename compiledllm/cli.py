@@ -101,7 +101,7 @@ def export(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
 ) -> None:
     """Package the recipe's step forwards (one per batch bucket) for `compiledllm run` (model.path: OUT)."""
-    from compiledllm.export import export_recipe
+    from compiledllm.export.trace import export_recipe
 
     try:
         with Progress(TextColumn("[bold]exporting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -162,7 +162,7 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
              cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None) -> dict:
     """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":
     {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given)."""
-    from compiledllm.engine import Engine
+    from compiledllm.engine import Engine, EngineConfig
 
     labels = policy_labels(policies)
     ref_i = reference_index(reference, labels)
@@ -177,8 +177,8 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
         if on_policy is not None:
             on_policy(label)
         params = {k: v for k, v in policies[i].items() if k != "label"}
-        engine = Engine(model, params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
-                        cuda_graphs=cuda_graphs)
+        engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
+                                            cuda_graphs=cuda_graphs))
         t0 = time.perf_counter()
         results = engine.generate(prompts)
         if model.device.type == "cuda":

@@ -1,6 +1,7 @@
 """load_model: config.json + safetensors (single or sharded) + tokenizer -> a ready model. Never unpickles."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from compiledllm.errors import UserError
+from compiledllm.export.runtime import is_exported, load_exported
 from compiledllm.models import (KNOWN_ARCHITECTURES, BlockDiffusionLM, architecture_module, build_model,
                                 resolve_architecture)
 from compiledllm.models.config import ModelConfig
@@ -120,19 +122,22 @@ def materialize(config: ModelConfig, device, dtype: torch.dtype) -> BlockDiffusi
     return model.eval().requires_grad_(False)
 
 
-def resolve_special_ids(model: BlockDiffusionLM, tokenizer: TextTokenizer | None, mask_token_id, eos_token_id,
-                        source: str) -> None:
-    """Recipe value, else config, else the tokenizer's special tokens, else the architecture's known default."""
-    defaults = architecture_module(model.config.architecture).DEFAULTS
+def resolve_special_ids(config: ModelConfig, tokenizer: TextTokenizer | None, mask_token_id, eos_token_id,
+                        source: str) -> ModelConfig:
+    """The config with its MASK / EOS ids resolved: recipe value, else config.json, else the tokenizer's special
+    tokens, else the architecture's known default."""
+    defaults = architecture_module(config.architecture).DEFAULTS
     from_tok = {"mask": tokenizer.mask_id() if tokenizer else None, "eos": tokenizer.special_id("eos_token") if tokenizer else None}
-    for kind, override, from_cfg in (("mask", mask_token_id, model.config.mask_token_id),
-                                     ("eos", eos_token_id, model.config.eos_token_id)):
+    ids = {}
+    for kind, override, from_cfg in (("mask", mask_token_id, config.mask_token_id),
+                                     ("eos", eos_token_id, config.eos_token_id)):
         if isinstance(from_cfg, list):  # some configs list several EOS ids; the first is the primary one
             from_cfg = from_cfg[0] if from_cfg else None
         value = next(v for v in (override, from_cfg, from_tok[kind], defaults[f"{kind}_token_id"]) if v is not None)
-        if not 0 <= int(value) < model.config.vocab_size:
-            raise UserError(f"{source}: {kind}_token_id {value} is outside the vocabulary [0, {model.config.vocab_size})")
-        setattr(model, f"{kind}_token_id", int(value))
+        if not 0 <= int(value) < config.vocab_size:
+            raise UserError(f"{source}: {kind}_token_id {value} is outside the vocabulary [0, {config.vocab_size})")
+        ids[f"{kind}_token_id"] = int(value)
+    return dataclasses.replace(config, **ids)
 
 
 def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: int = 0,
@@ -148,9 +153,9 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
         source, config = f"preset {config}", PRESETS[config]
     else:
         source = "model.config"
-    model = materialize(parse_model_config(config, source), device, parse_dtype(dtype))
+    config = resolve_special_ids(parse_model_config(config, source), None, mask_token_id, eos_token_id, source)
+    model = materialize(config, device, parse_dtype(dtype))
     init_random(model, seed)
-    resolve_special_ids(model, None, mask_token_id, eos_token_id, source)
     return model
 
 
@@ -158,7 +163,6 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
                eos_token_id: int | None = None) -> BlockDiffusionLM:
     """Load a Hugging Face-layout checkpoint directory (or a built-in model name) onto `device`."""
     from compiledllm import builtin
-    from compiledllm.export import is_exported, load_exported
 
     if is_exported(path):
         return load_exported(path, device)
@@ -168,8 +172,9 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
     dtype = parse_dtype(dtype)
     config = parse_model_config(read_config(path), str(path / "config.json"))
     files = checkpoint_files(path)
+    tokenizer = TextTokenizer.from_dir(path)
+    config = resolve_special_ids(config, tokenizer, mask_token_id, eos_token_id, str(path))
     model = materialize(config, device, dtype)
     load_weights(model, files)
-    model.tokenizer = TextTokenizer.from_dir(path)
-    resolve_special_ids(model, model.tokenizer, mask_token_id, eos_token_id, str(path))
+    model.tokenizer = tokenizer
     return model

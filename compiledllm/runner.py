@@ -73,9 +73,7 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     model = load_from_spec(m)
     load_s = time.perf_counter() - t0
     prompts = encode_prompts(model, recipe.load_prompts())
-    engine = Engine(model, recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
-                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
-                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets)
+    engine = Engine.from_recipe(model, recipe)
     if on_start is not None:
         on_start(len(prompts))
     sink = None

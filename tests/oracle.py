@@ -3,7 +3,7 @@
 * `oracle_logits(ckpt_dir, input_ids, block_size)` reads config.json and the
   safetensors files itself and computes the forward of LLaDA2 MoE, SDAR or LLaDA
   in float64, one straightforward line of math at a time.
-* `literal_decode(logits_fn, prompt, ...)` follows DESIGN.md section 4 literally,
+* `literal_decode(logits_fn, prompt, ...)` follows docs/design.md §4 literally,
   with no cache: each step forwards the whole prefix up to the current block end
   (block-causal models) or the whole working sequence (bidirectional models).
 
@@ -287,7 +287,7 @@ def literal_decode(
     bidirectional: bool = False,
     stats: dict | None = None,
 ) -> list[int]:
-    """DESIGN.md section 4, literally, with no cache.
+    """docs/design.md §4, literally, with no cache.
 
     `logits_fn(ids[1, L], block_size) -> logits[1, L, V]`. Block-causal models forward the
     prefix up to the current block end with `block_size`; `bidirectional=True` forwards the

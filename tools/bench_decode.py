@@ -23,15 +23,16 @@ import torch
 
 from gpu_timing import ceilings, graph_ms, time_ms
 
-from compiledllm.attention.metadata import WindowAttention
-from compiledllm.attention import packed, triton_packed
+from compiledllm.attention import triton_packed
 from compiledllm.attention.packed import packed_attention
+from compiledllm.attention.spec import Kernels
 from compiledllm.engine.state import SlotState
-from compiledllm.engine.step import block_logits, decode_step
+from compiledllm.engine.step import run_step
 from compiledllm.engine.stepper import Stepper
 from compiledllm.kv.cache import KVCache
 from compiledllm.loader import build_random
 from compiledllm.models.head import head_logits
+from compiledllm.models.layers import MoE
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 BLOCK, STEPS = 32, 20
@@ -120,34 +121,38 @@ def max_batch(model, context: int) -> int:
 
 
 def moe_layers(model) -> list:
-    return [layer.mlp for layer in model.layers if hasattr(layer.mlp, "backend")]
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
 
 
-def touched_experts(model, st, idx, kv) -> list[int]:
-    """The distinct routed experts each MoE layer's routing really chose for this step (one eager forward)."""
-    found = []
+def touched_experts(model, policy, st, kv) -> list[float]:
+    """The distinct routed experts each MoE layer's routing chose, as the mean over one block's STEPS + 1 decode
+    steps run eagerly on the point's state (the routing of the steps being timed: a block's MASK share falls from
+    1 to 0 over them). Before this, the tool counted one forward of the point's first block after it was decoded."""
+    found: list[list[int]] = []
 
     def count(moe, args, out):
         x = args[0].reshape(-1, args[0].shape[-1])
-        found.append(int(torch.unique(moe.route(x)[0]).numel()))
+        found[-1].append(int(torch.unique(moe.route(x)[0]).numel()))
 
     hooks = [m.register_forward_hook(count) for m in moe_layers(model)]
     try:
-        block_logits(model, st, idx, st.seq.gather(1, idx), kv)
+        for _ in range(STEPS + 1):
+            found.append([])
+            run_step(model, policy, st, kv)
     finally:
         for h in hooks:
             h.remove()
-    return found
+    return [sum(col) / len(col) for col in zip(*found)]
 
 
-def step_split(model, policy, st, kv, idx) -> dict:
+def step_split(model, policy, st, kv) -> dict:
     """Where a step's time goes: each piece captured alone as a CUDA graph on the step's real inputs
     (layer 1 stands for every later layer). `sum_ms` adds the pieces up as the step runs them."""
     cfg = model.config
-    window = st.seq.gather(1, idx)
+    fwd = policy.plan("decode", st)
+    window, idx = fwd.tokens, fwd.positions
     h = model.embed(window)
     cos, sin = model.rotary.cos_sin(idx)
-    meta = WindowAttention(st.block_start, BLOCK)
     first, layer = model.layers[0], model.layers[min(1, cfg.num_layers - 1)]
     att = layer.attn
     B, L, _ = h.shape
@@ -156,43 +161,37 @@ def step_split(model, policy, st, kv, idx) -> dict:
     lkv = kv.layer(1)
     x = layer.post_norm(h).reshape(B * L, -1)
     head = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    logits = block_logits(model, st, idx, window, kv)
-    gen = idx >= st.prompt_len[:, None]
+    logits = model(fwd, kv)
     parts = {
+        "plan": lambda: policy.plan("decode", st),
         "embed": lambda: model.embed(window),
-        "attn_sublayer": lambda: att(layer.input_norm(h), model.rotary, cos, sin, idx, meta, lkv),
-        "attn_kernel": lambda: packed_attention(q, lkv.k, lkv.v, meta.prefix_len, k, v, BLOCK),
+        "attn_sublayer": lambda: att(layer.input_norm(h), model.rotary, cos, sin, fwd, lkv),
+        "attn_kernel": lambda: packed_attention(q, lkv.k, lkv.v, st.block_start, k, v, BLOCK),
         "first_mlp_sublayer": lambda: first.mlp(first.post_norm(h)),
         "mlp_sublayer": lambda: layer.mlp(layer.post_norm(h)),
         "head_all_rows": lambda: model.norm(h) @ head.t(),
-        "head_needed_rows": lambda: head_logits(model.norm(h), head, policy.needed(window, gen, st.policy)),
-        "policy_update": lambda: policy.update(window, logits, gen, st.policy),
+        "head_needed_rows": lambda: head_logits(model.norm(h), head, fwd.logits_rows),
+        "policy_update": lambda: policy.update("decode", st, fwd, logits),
     }
-    if hasattr(layer.mlp, "backend"):
+    if isinstance(layer.mlp, MoE):
         moe = layer.mlp
         ids, w = moe.route(x)
         parts["moe_route"] = lambda: moe.route(x)
         if moe.shared is not None:
             parts["moe_shared"] = lambda: moe.shared(x)
         for backend in ("triton", "grouped_mm"):
-            def routed(backend=backend):
-                moe.backend = backend
-                try:
-                    return moe._routed(x, ids, w)
-                finally:
-                    moe.backend = "auto"
-            parts[f"moe_routed_{backend}"] = routed
+            parts[f"moe_routed_{backend}"] = lambda backend=backend: moe._routed(x, ids, w, backend)
     out = {}
     for name, fn in parts.items():
         try:
             out[name] = graph_ms(fn)
         except Exception as e:  # a piece that cannot run (e.g. no Triton) is reported, not fatal
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    num = [out.get(n) for n in ("embed", "attn_sublayer", "first_mlp_sublayer", "mlp_sublayer", "head_needed_rows",
-                                "policy_update")]
+    num = [out.get(n) for n in ("plan", "embed", "attn_sublayer", "first_mlp_sublayer", "mlp_sublayer",
+                                "head_needed_rows", "policy_update")]
     if all(isinstance(t, float) for t in num):
-        emb, attn, first_mlp, mlp, hd, upd = num
-        out["sum_ms"] = emb + cfg.num_layers * attn + first_mlp + (cfg.num_layers - 1) * mlp + hd + upd
+        plan, emb, attn, first_mlp, mlp, hd, upd = num
+        out["sum_ms"] = plan + emb + cfg.num_layers * attn + first_mlp + (cfg.num_layers - 1) * mlp + hd + upd
     return out
 
 
@@ -200,12 +199,11 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
     rec = {"batch": batch, "context": context}
     torch.manual_seed(context * 1009 + batch)  # the same prefix and KV, so the same experts touched, in every run
     st, kv = synthetic_state(model, policy, batch, context)
-    idx = (st.block_start[:, None] + torch.arange(BLOCK, device=st.seq.device))
     with torch.no_grad():
         if "eager" in modes:
-            rec["eager_ms"] = cycle_ms(lambda: decode_step(model, policy, st, kv), 1)
-            window = st.seq.gather(1, idx)
-            rec["eager_forward_ms"] = time_ms(lambda: block_logits(model, st, idx, window, kv), 8)
+            rec["eager_ms"] = cycle_ms(lambda: run_step(model, policy, st, kv), 1)
+            fwd = policy.plan("decode", st)
+            rec["eager_forward_ms"] = time_ms(lambda: model(fwd, kv), 8)
         for mode in [m for m in modes if m != "eager"]:
             t0 = time.perf_counter()
             # compiled+graphs: regional compilation (the engine's); compiled-whole+graphs: the step as one graph
@@ -220,26 +218,21 @@ def bench_point(model, policy, batch, context, ceil, modes, split=False, moe_ab=
             torch._dynamo.reset()
             torch.cuda.empty_cache()
         if moe_ab and moe_layers(model) and "graphs" in modes:  # the grouped-GEMM MoE in the same run
-            for m in moe_layers(model):
-                m.backend = "grouped_mm"
-            stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
+            stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True,
+                              kernels=Kernels(moe="grouped_mm"))
             rec["graphs_grouped_mm_ms"] = cycle_ms(lambda: stepper.run(batch))
             del stepper
             torch.cuda.empty_cache()
-            for m in moe_layers(model):
-                m.backend = "auto"
         if attn_ab and "graphs" in modes:  # each packed-attention kernel in the same run
-            auto = packed.CUDA_BACKENDS
             for name in ("cupy", "triton"):
-                packed.CUDA_BACKENDS = (name,)
-                stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True)
+                stepper = Stepper(model, policy, st, kv, [batch], compile=False, cuda_graphs=True,
+                                  kernels=Kernels(attention=name))
                 rec[f"graphs_attn_{name}_ms"] = cycle_ms(lambda: stepper.run(batch))
                 del stepper
                 torch.cuda.empty_cache()
-            packed.CUDA_BACKENDS = auto
         if split:
-            rec["split"] = step_split(model, policy, st, kv, idx)
-        touched = touched_experts(model, st, idx, kv) if moe_layers(model) else None
+            rec["split"] = step_split(model, policy, st, kv)
+        touched = touched_experts(model, policy, st, kv) if moe_layers(model) else None
     if touched is not None:
         rec["touched_experts"] = touched
         rec["roofline_uniform_routing_ms"] = roofline_ms(step_costs(model.config, batch, context), ceil)[0]

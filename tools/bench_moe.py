@@ -101,13 +101,11 @@ def main() -> None:
                "max_pairs_per_expert": int(torch.bincount(ids.flatten(), minlength=E).max())}
 
         def routed(backend):
-            moe.backend = backend
-            return lambda: moe._routed(x, ids, w)
+            return lambda: moe._routed(x, ids, w, backend)
 
         with torch.no_grad():
             rec["grouped_mm_ms"] = graph_ms(routed("grouped_mm"))
             rec["triton_ms"] = graph_ms(routed("triton"))
-            moe.backend = "auto"
             if str(batch) in args.sweep.split(",") and routing == "uniform":
                 best = None
                 for tiles in sweep_tiles():

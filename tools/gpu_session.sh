@@ -5,7 +5,8 @@
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
-# (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run)
+# (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
+# versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -14,15 +15,16 @@ mkdir -p "$OUT"
 if ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+SITE_PATH=${PYTHONPATH:-}  # the carried wheels only (the versus stage puts another tree after them)
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_triton_kernels.py tests/test_head.py tests/test_gpu_engine.py tests/test_export.py \
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if has attention; then
-  timeout ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_packed_attention.py -p no:cacheprovider 2>&1 \
+  timeout ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/attention/test_packed_attention.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/attention_tests.log" | tail -6
   timeout ${ATTN_TIMEOUT:-200} python3 tools/bench_attention.py --out "$OUT/bench_attention_h200.json" \
     ${ATTN_ARGS:---batches 8,32,64 --prefixes 4096,32768 --qlens 32 --no-baselines --sweep --budget-s 120} 2>&1 \
@@ -61,6 +63,19 @@ if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + 
   python3 tools/bench_decode.py --merge --resume ${GRID_RESUME:-} $(ls "$OUT"/bench_decode_grid_shard*.json) \
     --out "$OUT/bench_decode_grid_h200.json" 2>&1 | tee "$OUT/bench_decode_grid.log" | tail -30
 fi
+if has versus; then  # this tree against an earlier commit's tree in .base/ (git archive REV compiledllm tools), same
+  # device call, alternating base / new so that drift shows as the spread between the rounds
+  for round in 1 2; do
+    modes=${VERSUS_MODES:-graphs,compiled+graphs}
+    [ "$round" = 2 ] && modes=${VERSUS_MODES2:-graphs}
+    for side in base new; do
+      dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${VERSUS_TIMEOUT:-280} python3 tools/bench_decode.py \
+        --plan "${VERSUS_PLAN:-llada2.0-mini:4096,32768}" --batches "${VERSUS_BATCHES:-32}" --modes "$modes" \
+        --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -4)
+    done
+  done
+fi
 if has compiled; then
   timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
     --batches "${COMPILED_BATCHES:-32,max}" --modes "${COMPILED_MODES:-graphs,compiled+graphs}" \
@@ -80,7 +95,7 @@ print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(4096)]
 fi
 if has selection; then  # build, the CPU selection tests (AMX ones fail, not skip, on AMX hardware that misbehaves), bench
   if python3 setup.py build_ext --inplace -q >"$OUT/selection_build.log" 2>&1; then
-    timeout ${SEL_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/test_cpu_select.py -p no:cacheprovider 2>&1 \
+    timeout ${SEL_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/kv/test_cpu_select.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/cpu_select_tests.log" | tail -12
     timeout ${SEL_TIMEOUT:-200} python3 tools/bench_selection.py --out "$OUT/bench_selection_h200.json" ${SEL_ARGS:-} \
       2>&1 | tee "$OUT/bench_selection.log" | tail -30

@@ -49,10 +49,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_data as D  # noqa: E402
 
-from compiledllm.attention.metadata import DenseAttention  # noqa: E402
+from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask  # noqa: E402
 from compiledllm.builtin import init_random  # noqa: E402
 from compiledllm.loader import load_model, materialize, parse_model_config  # noqa: E402
 from compiledllm.models.layers import MoE  # noqa: E402
+from compiledllm.policies.plan import Forward  # noqa: E402
 from compiledllm.save import save_model  # noqa: E402
 from compiledllm.tokenizer import TextTokenizer  # noqa: E402
 
@@ -176,7 +177,8 @@ def bd_logits(model, xt: torch.Tensor, x0: torch.Tensor, bid: torch.Tensor) -> t
     B, L = x0.shape
     pos = torch.arange(L, device=x0.device).repeat(2)[None].expand(B, 2 * L)
     idx = torch.arange(L, device=x0.device)[None].expand(B, L)
-    return model(torch.cat([xt, x0], 1), pos, DenseAttention(bd_mask(bid)), logits_index=idx)
+    return model(Forward(torch.cat([xt, x0], 1), pos, AttentionSpec(ExplicitMask(bd_mask(bid))), logits_at=idx,
+                         float_logits=True))
 
 
 def loss_terms(logits, x0, masked, corrupt, keep_weight):
@@ -195,8 +197,8 @@ def attach_load_counters(model) -> list[MoE]:
     """Record each MoE layer's expert choices (eager sparse path) for the bias balancing."""
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     for m in moes:
-        def route(x, m=m):
-            ids, w = MoE.route(m, x)
+        def route(x, backend="auto", m=m):
+            ids, w = MoE.route(m, x, backend)
             flat = ids.flatten()  # scatter_add rather than bincount: no host sync
             m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
@@ -369,8 +371,8 @@ def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, se
             xt = torch.where(masked, D.MASK, x0)
             bid = (torch.arange(L, device=dev) // 32)[None].expand_as(x0)
             preds = {"block_32": bd_logits(model, xt, x0, bid),
-                     "bidirectional": model(xt, torch.arange(L, device=dev)[None].expand_as(x0),
-                                            DenseAttention(torch.ones(L, L, dtype=torch.bool, device=dev)))}
+                     "bidirectional": model(Forward(xt, torch.arange(L, device=dev)[None].expand_as(x0),
+                                                    AttentionSpec(BlockCausal(L)), float_logits=True))}
             for k, lg in preds.items():
                 lg[..., D.MASK] = float("-inf")
                 hit[k] += ((lg.argmax(-1) == x0) & masked).sum().item()

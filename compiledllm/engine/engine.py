@@ -1,8 +1,8 @@
-"""The engine: request slots over static buffers, admission between steps, results.
+"""The engine: request slots over static buffers, admission between steps, host hooks, results.
 
 Requests wait in a queue; a free slot takes the next one between steps (its prompt's full blocks are
-prefilled into the slot's KV), every step decodes the smallest batch bucket holding all busy slots, and a
-slot is freed as soon as its request ends. Each row's tokens depend on its own prompt only (batch
+prefilled into the slot's KV), every step runs the policy's phases on the smallest batch bucket holding all busy
+slots, and a slot is freed as soon as its request ends. Each row's tokens depend on its own prompt only (batch
 invariance, for a given KV capacity).
 """
 from __future__ import annotations
@@ -14,15 +14,17 @@ from typing import Callable
 
 import torch
 
-from compiledllm.attention.metadata import WindowAttention
-from compiledllm.engine.memory import check_fits
+from compiledllm.attention.spec import AttentionSpec, BlockCausal
+from compiledllm.engine.config import EngineConfig
+from compiledllm.engine.hooks import HostContext, StepReport
+from compiledllm.engine.memory import activation_tier, check_fits
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
-from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.policies import PolicyConfig, make_policy, policy_config
-from compiledllm.profiling import phase
+from compiledllm.policies import PolicyConfig, make_policy, resolve_block
+from compiledllm.policies.plan import Forward
+from compiledllm.profiling import phase as profile_range
 
 
 @dataclass
@@ -43,28 +45,39 @@ def working_length(prompt_len: int, max_new_tokens: int, block: int) -> int:
 
 
 class Engine:
-    def __init__(self, model: BlockDiffusionLM, policy: dict | PolicyConfig, *, max_new_tokens: int,
-                 batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False,
-                 cuda_graphs: bool = True, buckets: list[int] | None = None):
-        if max_new_tokens < 1:
-            raise UserError(f"generation.max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.model = model
-        self.policy = make_policy(policy_config(policy), model.mask_token_id)
+    """Engine(model, EngineConfig(...)), Engine(model, policy, max_new_tokens=..., ...) or
+    Engine.from_recipe(model, recipe)."""
+
+    def __init__(self, model, config: EngineConfig | dict | PolicyConfig, **settings):
+        if not isinstance(config, EngineConfig):
+            config = EngineConfig(config, **settings)
+        elif settings:
+            raise TypeError("pass settings inside the EngineConfig")
+        self.model, self.config = model, config
+        static = model.static_shapes  # an exported engine: fixed block, KV capacity and buckets, already compiled
+        pcfg = resolve_block(config.policy, static.block if static else model.config.default_block_size)
+        self.policy = make_policy(pcfg, model.mask_token_id, model.bidirectional)
         self.block = self.policy.block_size
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.max_seq_len = max_seq_len
-        self.exported = hasattr(model, "runners")  # an ExportedModel: fixed buckets and KV capacity, already compiled
-        self.compile = compile and not self.exported
-        self.cuda_graphs = cuda_graphs and model.device.type == "cuda" and not self.exported
-        self.buckets = model.buckets if self.exported else buckets
-        if self.exported and self.block != model.block_size:
-            raise UserError(f"policy.block_size {self.block} differs from the exported engine's {model.block_size}")
+        if static is not None and self.block != static.block:
+            raise UserError(f"policy.block_size {self.block} differs from the exported engine's {static.block}")
+        self.static = static
+        self.compile = config.compile and static is None
+        self.cuda_graphs = config.cuda_graphs and model.device.type == "cuda" and static is None
+        self.buckets = list(static.buckets) if static else (list(config.buckets) if config.buckets else None)
+        self.side_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self.startup_s = 0.0  # compile / capture time of the last generate()
+
+    @classmethod
+    def from_recipe(cls, model, recipe) -> "Engine":
+        return cls(model, EngineConfig.from_recipe(recipe))
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.config.max_new_tokens
 
     def capacity_for(self, prompts: list[list[int]]) -> int:
         need = max(working_length(len(p), self.max_new_tokens, self.block) for p in prompts)
-        cap = getattr(self.model, "capacity", None) or (need if self.max_seq_len is None else self.max_seq_len)
+        cap = self.static.capacity if self.static else (self.config.max_seq_len or need)
         if cap < need:
             raise UserError(f"KV capacity {cap} (max_seq_len) is shorter than the longest working sequence ({need})")
         limit = self.model.config.max_position_embeddings
@@ -83,47 +96,66 @@ class Engine:
             if bad:
                 raise UserError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
+    def _allocate(self, slots: int, capacity: int) -> tuple[SlotState, KVCache | None]:
+        model, device, c = self.model, self.model.device, self.model.config
+        kv_shape = (c.num_layers, slots, capacity, c.num_kv_heads, c.head_dim)
+        tiers = [activation_tier(model, slots, capacity, self.block)]
+        if not model.bidirectional:
+            tiers += KVCache.tiers(*kv_shape, model.dtype, device)
+        check_fits(tiers, slots, capacity)
+        try:
+            st = SlotState.allocate(slots, capacity, self.policy.init_state(slots, device), model.mask_token_id, device)
+            kv = None if model.bidirectional else KVCache.allocate(*kv_shape, model.dtype, device)
+        except torch.OutOfMemoryError:
+            raise UserError(f"batch_size {slots} with {capacity} positions does not fit in {device} memory") from None
+        return st, kv
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
                  ) -> list[GenerationResult]:
         self.validate(prompts)
-        model, device = self.model, self.model.device
-        slots = min(self.batch_size, len(prompts))
-        if self.exported:  # run on exported bucket sizes only
+        slots = min(self.config.batch_size, len(prompts))
+        if self.static:  # run on exported bucket sizes only
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
         capacity = self.capacity_for(prompts)
-        check_fits(model, slots, capacity, self.block)
-        try:
-            st = SlotState.allocate(slots, capacity, self.policy.init_state(slots, device), model.mask_token_id, device)
-            kv = None if model.bidirectional else KVCache.allocate(
-                model.config.num_layers, slots, capacity, model.config.num_kv_heads, model.config.head_dim,
-                model.dtype, device)
-        except torch.OutOfMemoryError:
-            raise UserError(f"batch_size {slots} with {capacity} positions does not fit in {device} memory") from None
+        st, kv = self._allocate(slots, capacity)
 
         buckets = self.buckets or (default_buckets(slots) if self.cuda_graphs or not self.compile else [slots])
         buckets = [b for b in buckets if b <= slots]
         if not buckets or max(buckets) < slots:
             buckets = [*buckets, slots]
-        stepper = Stepper(model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs)
+        stepper = Stepper(self.model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs)
         self.startup_s = stepper.startup_s
+        host = HostContext(self.model, st, kv, self.side_stream)
 
         queue = deque(enumerate(prompts))
         owner: list[tuple[int, float] | None] = [None] * slots
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(min(slots, len(prompts))):
             owner[s] = self._admit(st, kv, s, *queue.popleft())
+        self.policy.on_blocks(host, [s for s, o in enumerate(owner) if o is not None])
+        report = StepReport([o is not None for o in owner], [0] * slots)
         while any(o is not None for o in owner):
-            stepper.run(1 + max(s for s, o in enumerate(owner) if o is not None))
-            active = st.active.tolist()  # the one host sync per step
+            stepper.run(1 + max(s for s, o in enumerate(owner) if o is not None), self.policy.schedule(report))
+            report = StepReport(*st.host_view())  # the one host sync per step
+            st.retired.zero_()
+            begun = []
             for s, o in enumerate(owner):
-                if o is None or active[s]:
+                if o is None:
+                    continue
+                if report.active[s]:
+                    if report.retired[s]:
+                        begun.append(s)
                     continue
                 res = self._collect(st, s, *o, prompts[o[0]])
                 results[res.index] = res
                 if on_result is not None:
                     on_result(res)
                 owner[s] = self._admit(st, kv, s, *queue.popleft()) if queue else None
+                if owner[s] is not None:
+                    begun.append(s)
+            if begun:
+                self.policy.on_blocks(host, begun)
         return results
 
     def _admit(self, st: SlotState, kv: KVCache | None, s: int, index: int, prompt: list[int]):
@@ -132,24 +164,25 @@ class Engine:
         st.seq[s, :P] = torch.tensor(prompt, device=st.seq.device)
         start = P // self.block * self.block
         st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, self.max_new_tokens, self.block), start
-        st.steps[s], st.active[s] = 0, True
+        st.steps[s], st.active[s], st.retired[s] = 0, True, 0
         for v in st.policy.values():
             v[s] = 0
         if kv is not None and start > 0:
-            with phase("prefill"):
+            with profile_range("prefill"):
                 self._prefill(st, kv, s, start)
         return index, time.perf_counter()
 
     def _prefill(self, st: SlotState, kv: KVCache, s: int, end: int, chunk: int = 1024) -> None:
         """Write the KV of the prompt's full blocks [0, end) into slot s, in chunks of whole blocks: each chunk
-        attends to the cached prefix and block-causally to itself (window slots of one block)."""
+        attends to the cached prefix and block-causally to itself."""
         chunk = max(chunk // self.block, 1) * self.block
+        dev = st.seq.device
         for c in range(0, end, chunk):
             n = min(chunk, end - c)
-            pos = torch.arange(c, c + n, device=st.seq.device)[None]
-            meta = WindowAttention(torch.full((1,), c, device=pos.device), self.block)
-            last = torch.full((1, 1), n - 1, device=pos.device)  # logits are not needed: keep the head to one row
-            self.model(st.seq[s : s + 1, c : c + n], pos, meta, kv=kv.rows(s, s + 1), logits_index=last)
+            pos = torch.arange(c, c + n, device=dev)[None]
+            spec = AttentionSpec(BlockCausal(self.block), prefix_len=torch.full((1,), c, device=dev))
+            last = torch.full((1, 1), n - 1, device=dev)  # logits are not needed: keep the head to one row
+            self.model(Forward(st.seq[s : s + 1, c : c + n], pos, spec, kv_write=pos, logits_at=last), kv.rows(s, s + 1))
 
     def _collect(self, st: SlotState, s: int, index: int, t0: float, prompt: list[int]) -> GenerationResult:
         P = len(prompt)
@@ -164,10 +197,10 @@ class Engine:
                                 latency_s=time.perf_counter() - t0, text=tok.decode(out) if tok else None)
 
 
-def generate(model: BlockDiffusionLM, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,
+def generate(model, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,
              batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False,
              cuda_graphs: bool = True) -> list[GenerationResult]:
     """Decode every prompt (token ids) with the policy; one result per prompt, in order."""
-    engine = Engine(model, policy, max_new_tokens=max_new_tokens, batch_size=batch_size, max_seq_len=max_seq_len,
-                    compile=compile, cuda_graphs=cuda_graphs)
-    return engine.generate(prompts)
+    config = EngineConfig(policy, max_new_tokens=max_new_tokens, batch_size=batch_size, max_seq_len=max_seq_len,
+                          compile=compile, cuda_graphs=cuda_graphs)
+    return Engine(model, config).generate(prompts)

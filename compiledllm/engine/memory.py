@@ -1,10 +1,12 @@
-"""Up-front memory check so an oversized batch is a clear error, not an allocator crash mid-run."""
+"""Up-front memory check, per device and tier, so an oversized batch is a clear error, not an allocator crash."""
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 from compiledllm.errors import UserError
-from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.kv.cache import Tier
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -18,20 +20,26 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def estimate_bytes(model: BlockDiffusionLM, slots: int, capacity: int, block: int) -> int:
+def activation_tier(model, slots: int, capacity: int, block: int) -> Tier:
+    """A step's activations, logits and softmax on the model's device (a generous estimate)."""
     c = model.config
-    item = torch.finfo(model.dtype).bits // 8
-    kv = 0 if model.bidirectional else 2 * c.num_layers * slots * capacity * c.num_kv_heads * c.head_dim * item
     tokens = slots * (capacity if model.bidirectional else block)
-    activations = tokens * (4 * c.hidden_size + 3 * c.intermediate_size) * 4 + slots * block * c.vocab_size * 4 * 3
+    nbytes = tokens * (4 * c.hidden_size + 3 * c.intermediate_size) * 4 + slots * block * c.vocab_size * 4 * 3
     if model.bidirectional:  # dense attention scores of the whole sequence
-        activations += slots * c.num_heads * capacity * capacity * 4
-    return kv + activations
+        nbytes += slots * c.num_heads * capacity * capacity * 4
+    return Tier("activations", model.device, nbytes)
 
 
-def check_fits(model: BlockDiffusionLM, slots: int, capacity: int, block: int) -> None:
-    need = estimate_bytes(model, slots, capacity, block)
-    free = available_bytes(model.device)
-    if free is not None and need > 0.9 * free:
-        raise UserError(f"batch_size {slots} at {capacity} positions needs about {need / 2**30:.1f} GiB; "
-                        f"{model.device} has {free / 2**30:.1f} GiB free (lower batch_size or max_new_tokens)")
+def check_fits(tiers: list[Tier], slots: int, capacity: int) -> None:
+    """Every device must hold what its tiers need (with 10 % to spare)."""
+    need: dict[torch.device, list[Tier]] = defaultdict(list)
+    for t in tiers:
+        need[t.device].append(t)
+    for device, ts in need.items():
+        total = sum(t.nbytes for t in ts)
+        free = available_bytes(device)
+        if free is not None and total > 0.9 * free:
+            parts = ", ".join(f"{t.name} {t.nbytes / 2**30:.1f}" for t in ts)
+            raise UserError(f"batch_size {slots} at {capacity} positions needs about {total / 2**30:.1f} GiB on "
+                            f"{device} ({parts}); it has {free / 2**30:.1f} GiB free (lower batch_size or "
+                            "max_new_tokens)")

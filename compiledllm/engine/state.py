@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import State
+from compiledllm.policies.plan import State
 
 
 @dataclass
@@ -13,9 +13,10 @@ class SlotState:
     seq: torch.Tensor          # [B, T] long: prompt, then generated / MASK tokens up to the working length
     prompt_len: torch.Tensor   # [B] long
     work_len: torch.Tensor     # [B] long: end of the block holding position prompt_len + max_new_tokens - 1
-    block_start: torch.Tensor  # [B] long: first position of the block being decoded (= cached prefix length)
+    block_start: torch.Tensor  # [B] long: first position not yet retired (= the cached prefix length)
     active: torch.Tensor       # [B] bool: slot holds a request that is still decoding
     steps: torch.Tensor        # [B] long: forwards made for the slot's request
+    retired: torch.Tensor      # [B] long: blocks the last step retired (read by the host sync with `active`)
     policy: State              # the policy's per-row state
 
     @classmethod
@@ -23,9 +24,15 @@ class SlotState:
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
                    work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
-                   steps=zeros(), policy=policy_state)
+                   steps=zeros(), retired=zeros(), policy=policy_state)
 
     def view(self, rows: int) -> "SlotState":
         """The first `rows` slots, as views: a step on the view updates these buffers in place."""
         return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
-                         self.active[:rows], self.steps[:rows], {k: v[:rows] for k, v in self.policy.items()})
+                         self.active[:rows], self.steps[:rows], self.retired[:rows],
+                         {k: v[:rows] for k, v in self.policy.items()})
+
+    def host_view(self) -> tuple[list[bool], list[int]]:
+        """(active, retired) per slot: the one host sync of a step."""
+        both = torch.stack([self.active.long(), self.retired]).tolist()
+        return [bool(a) for a in both[0]], both[1]

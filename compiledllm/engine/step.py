@@ -1,74 +1,68 @@
-"""The decode step: one forward of every slot's current block window, then the policy's update.
-
-A pure tensor function over SlotState's static buffers: per-row progress, acceptance, block ends and EOS
-are masks, never host branches, so the same function runs eagerly, under torch.compile, or captured.
+"""A step: each phase of the policy's plan is forward -> update -> apply, as pure tensor functions over SlotState's
+static buffers (per-row progress, acceptance, block ends and EOS are masks, never host branches), so the same
+functions run eagerly, under torch.compile, or captured as CUDA graphs (docs/design.md §2, §6).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from compiledllm.attention.metadata import DenseAttention, WindowAttention
+from compiledllm.attention.spec import Kernels
 from compiledllm.engine.state import SlotState
-from compiledllm.kv.cache import KVCache
-from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies.base import Policy
-from compiledllm.profiling import phase
+from compiledllm.policies.plan import Forward, Update
+from compiledllm.profiling import phase as profile_range
 
 
 @dataclass(frozen=True)
 class Regions:
-    """Compiled forms of the step's pieces (stepper.compiled_regions): the decoder layers and the acceptance."""
+    """Compiled forms of a phase's pieces (compile.compiled_regions): the decoder layers and finish_phase."""
 
     layers: tuple
-    accept: Callable
+    finish: Callable
 
 
-def block_logits(model: BlockDiffusionLM, st: SlotState, idx: torch.Tensor, window: torch.Tensor,
-                 kv: KVCache | None, need: torch.Tensor | None = None, layers=None) -> torch.Tensor:
-    """Logits [B, Bk, V] (the model's dtype) of each row's block window (tokens `window` at positions idx [B, Bk]);
-    with `need` [B, Bk] bool only those rows are defined; `layers`: what runs as the decoder layers."""
-    if model.bidirectional:
-        # Bidirectional models forward the whole working sequence each step (no cache); padding keys are hidden.
-        B, T = st.seq.shape
-        pos = torch.arange(T, device=st.seq.device).expand(B, T)
-        visible = (pos < st.work_len[:, None])[:, None, :]  # [B, 1, T] -> every query sees the row's sequence
-        return model(st.seq, pos, DenseAttention(visible), logits_index=idx, float_logits=False, logits_rows=need,
-                     layers=layers)
-    return model(window, idx, WindowAttention(st.block_start, idx.shape[1]), kv=kv, float_logits=False,
-                 logits_rows=need, layers=layers)
+def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Regions | None = None,
+              kernels: Kernels | None = None) -> None:
+    """One phase for every slot; `regions`: compiled forms of the layers and the finish (default: eager);
+    `kernels`: the implementations every forward uses instead of the policy's choice (benchmarks' A/B)."""
+    fwd = policy.plan(phase, st)
+    if kernels is not None:
+        fwd = replace(fwd, kernels=kernels)
+    logits = model(fwd, kv, layers=None if regions is None else regions.layers)
+    with profile_range("acceptance"):
+        (finish_phase if regions is None else regions.finish)(policy, phase, st, fwd, logits, model.eos_token_id)
 
 
-def decode_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, kv: KVCache | None,
-                regions: Regions | None = None) -> None:
-    """One step of every slot; `regions`: compiled forms of the layers and the acceptance (default: eager)."""
-    block = policy.block_size
-    T = st.seq.shape[1]
-    idx = (st.block_start[:, None] + torch.arange(block, device=st.seq.device)).clamp(max=T - 1)
-    window = st.seq.gather(1, idx)
-    gen = idx >= st.prompt_len[:, None]
-    logits = block_logits(model, st, idx, window, kv, policy.needed(window, gen, st.policy),
-                          None if regions is None else regions.layers)
-    with phase("acceptance"):
-        (accept_step if regions is None else regions.accept)(model, policy, st, idx, window, gen, logits)
+def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | None = None) -> None:
+    """Every phase of one step, eagerly (the engine's Stepper runs them compiled or captured)."""
+    for ph in phases or policy.phases:
+        run_phase(model, policy, ph, st, kv)
 
 
-def accept_step(model: BlockDiffusionLM, policy: Policy, st: SlotState, idx, window, gen, logits) -> None:
-    """The policy's update plus per-row bookkeeping: block ends, EOS stop, step counts."""
-    block = policy.block_size
-    new_window, block_done, pstate = policy.update(window, logits, gen, st.policy)
+def finish_phase(policy: Policy, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor, eos_id: int) -> None:
+    apply_update(st, policy.update(phase, st, fwd, logits), policy.block_size, eos_id)
 
+
+def apply_update(st: SlotState, upd: Update, block: int, eos_id: int) -> None:
+    """The engine's bookkeeping of an Update, for active rows: tokens, retired blocks, EOS stop, forward counts."""
     act = st.active
-    new_window = torch.where(act[:, None], new_window, window)
-    block_done = block_done & act
-    st.seq.scatter_(1, idx, new_window)
-    eos_hit = ((new_window == model.eos_token_id) & gen).any(1)
-    new_start = st.block_start + block * block_done.long()
-    finished = block_done & (eos_hit | (new_start >= st.work_len))
+    # -1 entries rewrite position 0 (a prompt token, which no policy changes) with its own value: no branch needed
+    safe = upd.write_pos.clamp(min=0)
+    keep = st.seq.gather(1, safe)
+    st.seq.scatter_(1, safe, torch.where((upd.write_pos >= 0) & act[:, None], upd.tokens, keep))
+    adv = torch.where(act, upd.advance, 0)
+    new_start = torch.minimum(st.block_start + block * adv, st.work_len)
+    # stop at an EOS among the generated tokens of the blocks retired now (earlier blocks were checked before)
+    pos = torch.arange(st.seq.shape[1], device=st.seq.device)
+    retiring = (pos >= st.block_start[:, None]) & (pos < new_start[:, None]) & (pos >= st.prompt_len[:, None])
+    eos_hit = ((st.seq == eos_id) & retiring).any(1)
+    finished = (adv > 0) & (eos_hit | (new_start >= st.work_len))
     st.block_start.copy_(new_start)
     st.steps.add_(act.long())
     st.active.copy_(act & ~finished)
-    for k, v in policy.reset(pstate, block_done).items():
+    st.retired.add_(adv)
+    for k, v in upd.state.items():
         st.policy[k].copy_(v)

@@ -27,7 +27,6 @@ gather() copies the selected rows into one contiguous [2, B, KVH, topk, D] bf16 
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +36,6 @@ __all__ = ["SelectResult", "select", "gather", "read_probe", "isa", "cpu_feature
            "set_dot_form", "amx_status"]
 
 MAX_G, MAX_NQ = 8, 64
-_FORCE_PORTABLE = os.environ.get("CLLM_CPU_SELECT_PORTABLE", "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ def extension_available() -> bool:
 
 def isa() -> str:
     """The instruction-set path select() takes by default: 'avx512bf16' or 'portable'."""
-    return "portable" if _FORCE_PORTABLE else _ext().isa()
+    return _ext().isa()
 
 
 def cpu_features() -> dict[str, bool | str]:
@@ -225,7 +223,7 @@ def select(
         idx.data_ptr() if idx is not None else 0,
         out.data_ptr() if out is not None else 0,
         lse.data_ptr() if lse is not None else 0,
-        threads, portable or _FORCE_PORTABLE, prefetch, bool(prefetch_l2), _score_budget,
+        threads, portable, prefetch, bool(prefetch_l2), _score_budget,
     )
     return SelectResult(idx, out, lse, path)
 
@@ -266,7 +264,7 @@ def gather(
     _check_threads(threads)
     _ext().gather(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3],
-        B, KVH, D, topk_idx.data_ptr(), k, out.data_ptr(), threads, portable or _FORCE_PORTABLE,
+        B, KVH, D, topk_idx.data_ptr(), k, out.data_ptr(), threads, portable,
     )
     return out
 

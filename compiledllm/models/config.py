@@ -59,3 +59,21 @@ def hf_decoder_fields(c: dict, *, rope_theta: float, block_size: int) -> dict:
         bidirectional=False, max_position_embeddings=c.get("max_position_embeddings", 32768),
         default_block_size=block_size, mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
     )
+
+
+class ConfigFacts:
+    """What the engine reads of any model kind (a live BlockDiffusionLM, an ExportedModel) from its `config`."""
+
+    config: ModelConfig
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.config.eos_token_id
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.config.bidirectional

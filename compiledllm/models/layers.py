@@ -50,15 +50,16 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """Fused QKV projection, optional per-head q/k RMSNorm before RoPE, GQA, output projection."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.index = index  # the layer's index: an AttentionSpec may ask some layers only for statistics
         self.h, self.kvh, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=False)
         self.o = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x, rotary: Rotary, cos, sin, positions, attn_meta, kv_layer):
+    def forward(self, x, rotary: Rotary, cos, sin, fwd, kv_layer):
         B, L, _ = x.shape
         with phase("projections"):
             qkv = self.qkv(x)
@@ -67,7 +68,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
         with phase("attention"):
-            out = attend(q, k, v.contiguous(), positions, attn_meta, kv_layer)
+            out = attend(q, k, v.contiguous(), fwd, kv_layer, self.index)
         with phase("projections"):
             return self.o(out.reshape(B, L, self.h * self.hd))
 
@@ -98,15 +99,16 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * F_, dim))
         self.w_down = nn.Parameter(torch.zeros(E, dim, F_))
         self.shared = GatedMLP(dim, F_ * cfg.num_shared) if cfg.num_shared else None
-        # "auto": the Triton routing and expert kernels where they apply (moe_triton.py), else torch;
-        # "grouped_mm": always the torch routing and grouped GEMM (the benchmarks' A/B baseline).
-        self.backend = "auto"
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # backend (a forward's Kernels.moe): "auto": the Triton routing and expert kernels where they apply
+    # (moe_triton.py), else torch; "triton": the Triton experts; "grouped_mm": always the torch routing and
+    # grouped GEMM (the benchmarks' A/B baseline, and what an exported engine runs).
+
+    def route(self, x: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32."""
         c = self.cfg
         logits = router_logits(x, self.gate)
-        if self.backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
+        if backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
             return torch.ops.compiledllm.moe_route(logits, self.expert_bias, c.n_group, c.topk_group, c.top_k,
                                                    c.norm_topk_prob, c.routed_scaling)
         scores = torch.sigmoid(logits)
@@ -122,20 +124,20 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return ids, w * c.routed_scaling
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, w = self.route(x)
-        out = self._routed(x, ids, w)
+        ids, w = self.route(x, backend)
+        out = self._routed(x, ids, w, backend)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
 
-    def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """The T*k (token, expert) pairs through the experts, each token's k outputs summed: the Triton op (sort,
         expert kernels and sum inside it), or sorted by expert in torch and two grouped GEMMs. Static shapes and
         no host sync, so it compiles and captures."""
-        if self.backend == "triton" or (self.backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)):
+        if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)):
             return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float())
         T, k = ids.shape
         E = self.cfg.num_experts
@@ -178,13 +180,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, index)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         use_moe = cfg.moe is not None and index >= cfg.moe.first_dense_layers
         self.mlp = MoE(cfg.hidden_size, cfg.moe) if use_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rotary, cos, sin, positions, attn_meta, kv_layer):
-        h = x + self.attn(self.input_norm(x), rotary, cos, sin, positions, attn_meta, kv_layer)
+    def forward(self, x, rotary, cos, sin, fwd, kv_layer):
+        h = x + self.attn(self.input_norm(x), rotary, cos, sin, fwd, kv_layer)
         normed = self.post_norm(h)
-        with phase("moe" if isinstance(self.mlp, MoE) else "mlp"):
+        if isinstance(self.mlp, MoE):
+            with phase("moe"):
+                return h + self.mlp(normed, fwd.kernels.moe)
+        with phase("mlp"):
             return h + self.mlp(normed)

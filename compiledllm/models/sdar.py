@@ -11,7 +11,8 @@ DEFAULTS = {"mask_token_id": 151669, "eos_token_id": 151645, "block_size": 4}
 
 
 def parse_config(c: dict) -> ModelConfig:
-    fields = hf_decoder_fields(c, rope_theta=1e6, block_size=DEFAULTS["block_size"])
+    # the -b8 ... -b64 variants state their block in config.json where they do; else SDAR's 4
+    fields = hf_decoder_fields(c, rope_theta=1e6, block_size=int(c.get("block_size") or DEFAULTS["block_size"]))
     return ModelConfig(architecture="sdar", rotary_dim=fields["head_dim"], qk_norm=True, **fields)
 
 

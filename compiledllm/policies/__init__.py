@@ -1,4 +1,8 @@
-"""Decoding policies, one algorithm per file; `make_policy` builds one from its name and parameters."""
+"""Decoding policies, one algorithm per file; `make_policy` builds one from its name and parameters.
+
+A new algorithm is a new file with a PolicyConfig and a Policy subclass, registered here (or, from outside the
+package, with `register_policy`): the engine runs any policy's plans without changes (docs/design.md §2).
+"""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -14,6 +18,13 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "threshold": (ThresholdConfig, ThresholdPolicy),
     "t2t": (T2TConfig, T2TPolicy),
 }
+
+
+def register_policy(name: str, config_cls: type[PolicyConfig], policy_cls: type[Policy]) -> None:
+    """Make a policy available by name in recipes (`policy: {name: NAME, ...}`)."""
+    if name in POLICIES and POLICIES[name] != (config_cls, policy_cls):
+        raise ValueError(f"policy {name!r} is already registered")
+    POLICIES[name] = (config_cls, policy_cls)
 
 
 def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
@@ -32,18 +43,30 @@ def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
     try:
         return TypeAdapter(cls).validate_python(params)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if not key:  # a range check of the whole config: its message names the key
-            raise UserError(f"policy.{msg}") from None
-        raise UserError(f"policy.{key}: {msg} (got {err.get('input')!r})") from None
+        raise UserError(_validation_message(e)) from None
 
 
-def make_policy(config: PolicyConfig, mask_id: int) -> Policy:
+def _validation_message(e: ValidationError) -> str:
+    err = e.errors()[0]
+    key = ".".join(str(x) for x in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not key:  # a range check of the whole config: its message names the key
+        return f"policy.{msg}"
+    return f"policy.{key}: {msg} (got {err.get('input')!r})"
+
+
+def resolve_block(config: PolicyConfig, default_block: int) -> PolicyConfig:
+    """The config with the model's block size where it names none; the range checks run again on the result."""
+    try:
+        return config.with_block(default_block)
+    except ValueError as e:
+        raise UserError(f"policy.{e}") from None
+
+
+def make_policy(config: PolicyConfig, mask_id: int, bidirectional: bool = False) -> Policy:
     for cfg_cls, pol_cls in POLICIES.values():
         if type(config) is cfg_cls:
-            return pol_cls(config, mask_id)
+            return pol_cls(config, mask_id, bidirectional)
     raise UserError(f"no policy for config {type(config).__name__}")
 
 
@@ -52,4 +75,4 @@ def policy_name(config: PolicyConfig) -> str:
 
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "make_policy", "policy_config",
-           "policy_name"]
+           "policy_name", "register_policy", "resolve_block"]

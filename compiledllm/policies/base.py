@@ -1,29 +1,38 @@
-"""What every decoding policy shares: the per-step contract and the confidence rule of DESIGN.md §4.
+"""What every decoding policy shares: the plan/update contract, the confidence rule of docs/design.md §4, and the
+single-block window that `threshold` and `t2t` forward.
 
-A policy sees one block-sized window per row and decides which tokens change. It never touches the
-model: the engine forwards, hands it the logits of the window, and applies what it returns.
-Everything here is a pure tensor function over static shapes (no host syncs): it runs inside the
-compiled / captured step.
+A policy never calls the model: for each phase of a step it describes the forward as data (Policy.plan -> a
+Forward) and, given that forward's logits, what changes (Policy.update -> an Update). Both are pure tensor
+functions over the engine's static slot buffers (no host syncs): they run inside the compiled / captured step.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from compiledllm.attention.spec import AttentionSpec, BlockCausal, Bidirectional
+from compiledllm.policies.plan import Forward, State, Update
 from compiledllm.triton_support import triton_on_cuda
 
-State = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from compiledllm.engine.hooks import HostContext
+    from compiledllm.engine.state import SlotState
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    block_size: int = 32
+    block_size: int | None = None  # None: the model's own (config.json's block size, e.g. SDAR's 4)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+
+    def with_block(self, default: int) -> "PolicyConfig":
+        """The config with block_size resolved (the model's default where the recipe gives none)."""
+        return self if self.block_size is not None else replace(self, block_size=default)
 
 
 def check_probability(name: str, value: float) -> None:
@@ -61,34 +70,85 @@ def top_confident(conf: torch.Tensor, candidates: torch.Tensor, k: torch.Tensor)
     return candidates & (rank < k[:, None])
 
 
+def logits_view(fwd: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, tokens) [B, K] of the rows the forward returned logits for."""
+    if fwd.logits_at is None:
+        return fwd.positions, fwd.tokens
+    return fwd.positions.gather(1, fwd.logits_at), fwd.tokens.gather(1, fwd.logits_at)
+
+
 class Policy(ABC):
-    """One decoding algorithm. `update` runs once per forward for every slot (inactive rows are masked by the engine)."""
+    """One decoding algorithm: a step is `phases` in order, each one plan + one update."""
 
     name: str
+    phases: tuple[str, ...] = ("decode",)
 
-    def __init__(self, config: PolicyConfig, mask_id: int):
+    def __init__(self, config: PolicyConfig, mask_id: int, bidirectional: bool = False):
+        if config.block_size is None:
+            raise ValueError("resolve block_size first (PolicyConfig.with_block)")
         self.config = config
         self.mask_id = mask_id
+        self.bidirectional = bidirectional  # True: nothing is cached, every forward reads the whole sequence
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def init_state(self, batch: int, device: torch.device) -> State:
-        """Per-row state buffers (zeros = the state at the start of a block)."""
+        """Per-row state buffers (zeros = the state at the start of a request's first block)."""
         return {}
 
-    def needed(self, window: torch.Tensor, gen: torch.Tensor, state: State) -> torch.Tensor:
-        """[B, Bk] bool: the window positions whose logits `update` reads (the head may skip the others)."""
-        return gen
+    @abstractmethod
+    def plan(self, phase: str, st: SlotState) -> Forward:
+        """The forward of `phase` for every slot (inactive rows included: their results are discarded)."""
 
     @abstractmethod
-    def update(self, window: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
-        """window [B, Bk] tokens, logits [B, Bk, V] (the model's dtype; policies compute in float32; defined at the
-        `needed` positions), gen [B, Bk] bool (generated, changeable positions).
-        Returns (new_window [B, Bk], block_done [B] bool, new_state). A block is done when the forward just
-        made saw its final tokens (so that forward's KV is the block's KV)."""
+    def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
+        """What `phase` changes, from the logits [B, K, V] (the model's dtype; defined where fwd.logits_rows)."""
 
-    def reset(self, state: State, rows: torch.Tensor) -> State:
-        """Zero the per-block state of `rows` ([B] bool): they start a new block next step."""
-        return {k: torch.where(rows, torch.zeros_like(v), v) for k, v in state.items()}
+    def schedule(self, host: Any) -> tuple[str, ...]:
+        """The phases of the next step, chosen on the host from what the last sync returned (default: all)."""
+        return self.phases
+
+    def on_blocks(self, host: HostContext, rows: list[int]) -> None:
+        """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
+        device work on host.side_stream. Default: none."""
+
+
+class BlockPolicy(Policy):
+    """A policy that decodes one block per row at a time (`threshold`, `t2t`): its forward is the current block
+    against the cached prefix (block-causal models) or the whole working sequence (bidirectional models)."""
+
+    def block_window(self, st: SlotState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(idx, tokens, gen) [B, Bk]: the block's positions, its tokens, and which are generated (changeable)."""
+        T = st.seq.shape[1]
+        idx = (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
+        return idx, st.seq.gather(1, idx), idx >= st.prompt_len[:, None]
+
+    def block_forward(self, st: SlotState, idx: torch.Tensor, tokens: torch.Tensor, need: torch.Tensor) -> Forward:
+        if self.bidirectional:
+            B, T = st.seq.shape
+            pos = torch.arange(T, device=st.seq.device).expand(B, T)
+            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), logits_at=idx, logits_rows=need)
+        write = torch.where(st.active[:, None], idx, -1)  # finished rows write nothing
+        return Forward(tokens, idx, AttentionSpec(BlockCausal(self.block_size), prefix_len=st.block_start),
+                       kv_write=write, logits_rows=need)
+
+    def needed(self, tokens: torch.Tensor, gen: torch.Tensor, state: State) -> torch.Tensor:
+        """[B, Bk] bool: the block positions whose logits `update` reads (the head may skip the others)."""
+        return gen
+
+    def plan(self, phase: str, st: SlotState) -> Forward:
+        idx, tokens, gen = self.block_window(st)
+        return self.block_forward(st, idx, tokens, self.needed(tokens, gen, st.policy))
+
+    def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
+        pos, tokens = logits_view(fwd)
+        gen = pos >= st.prompt_len[:, None]
+        new, done, state = self.decide(tokens, logits, gen, st.policy)
+        return Update(torch.where(gen, pos, -1), new, done.long(), state)
+
+    @abstractmethod
+    def decide(self, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
+        """tokens / gen [B, Bk], logits [B, Bk, V] -> (new tokens [B, Bk], block done [B] bool, new state, already
+        reset for the rows whose block is done)."""

@@ -1,4 +1,4 @@
-"""`t2t`: LLaDA2.1 mask-to-token plus token-to-token editing, DESIGN.md §4.
+"""`t2t`: LLaDA2.1 mask-to-token plus token-to-token editing, docs/design.md §4.
 
 Per step: M2T fills masked positions with p > tau_mask (at least the most confident one while masks
 remain); T2T rewrites already generated, non-prompt tokens whose argmax differs with p > tau_edit.
@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import (Policy, PolicyConfig, State, check_probability, confidence,
-                                       top_confident)
+from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, confidence, top_confident
 
 
 @dataclass(frozen=True)
@@ -30,16 +29,16 @@ class T2TConfig(PolicyConfig):
             raise ValueError(f"max_post_steps: must be >= 0, got {self.max_post_steps}")
 
 
-class T2TPolicy(Policy):
+class T2TPolicy(BlockPolicy):
     name = "t2t"
     config: T2TConfig
 
     def init_state(self, batch: int, device) -> State:
         return {"post": torch.zeros(batch, dtype=torch.long, device=device)}
 
-    def update(self, window, logits, gen, state):
+    def decide(self, tokens, logits, gen, state):
         c = self.config
-        masked = (window == self.mask_id) & gen
+        masked = (tokens == self.mask_id) & gen
         v, p = confidence(logits, self.mask_id, gen)
         no_mask = ~masked.any(1)
         post = state["post"] + no_mask.long()
@@ -47,7 +46,7 @@ class T2TPolicy(Policy):
         m2t = masked & (p > c.threshold)
         fallback = top_confident(p, masked, torch.ones_like(post))
         m2t = torch.where(m2t.any(1, keepdim=True), m2t, fallback)
-        t2t = gen & ~masked & (p > c.edit_threshold) & (v != window)
+        t2t = gen & ~masked & (p > c.edit_threshold) & (v != tokens)
         change = (m2t | t2t) & ~expired[:, None]
         done = expired | (no_mask & ~t2t.any(1))
-        return torch.where(change, v, window), done, {"post": post}
+        return torch.where(change, v, tokens), done, {"post": torch.where(done, 0, post)}

@@ -1,4 +1,4 @@
-"""`threshold`: confidence-threshold parallel decoding (LLaDA2.0 / Fast-dLLM), DESIGN.md §4.
+"""`threshold`: confidence-threshold parallel decoding (LLaDA2.0 / Fast-dLLM), docs/design.md §4.
 
 Accept every masked position with p > tau; if fewer than k_min are accepted, accept the k_min most
 confident masked ones instead (k_min = 1, or with `steps` the LLaDA2 reference schedule: block/steps
@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import (Policy, PolicyConfig, State, check_probability, confidence,
-                                       top_confident)
+from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, confidence, top_confident
 
 
 @dataclass(frozen=True)
@@ -23,11 +22,11 @@ class ThresholdConfig(PolicyConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
-        if self.steps is not None and not 1 <= self.steps <= self.block_size:
+        if self.steps is not None and not 1 <= self.steps <= (self.block_size or self.steps):
             raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
 
 
-class ThresholdPolicy(Policy):
+class ThresholdPolicy(BlockPolicy):
     name = "threshold"
     config: ThresholdConfig
 
@@ -43,15 +42,20 @@ class ThresholdPolicy(Policy):
     def init_state(self, batch: int, device) -> State:
         return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
 
-    def needed(self, window, gen, state):
-        return (window == self.mask_id) & gen
+    def needed(self, tokens, gen, state):
+        return (tokens == self.mask_id) & gen
 
-    def update(self, window, logits, gen, state):
-        masked = self.needed(window, gen, state)
+    def decide(self, tokens, logits, gen, state):
+        masked = self.needed(tokens, gen, state)
         v, p = confidence(logits, self.mask_id, masked)
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
         accept = masked & (p > self.config.threshold)
         accept = torch.where((accept.sum(1) < k_min)[:, None], top_confident(p, masked, k_min), accept)
-        new_window = torch.where(accept, v, window)
-        return new_window, n_masked == 0, {"block_step": state["block_step"] + 1}
+        # Done when this forward saw the block final (its KV is the block's). Nothing is cached for bidirectional
+        # models, so there the block is done as soon as its last MASK is filled: no forward only to look at it.
+        done = n_masked == 0
+        if self.bidirectional:
+            done = done | (accept.sum(1) == n_masked)
+        block_step = torch.where(done, 0, state["block_step"] + 1)
+        return torch.where(accept, v, tokens), done, {"block_step": block_step}

@@ -338,7 +338,7 @@ def test_amx_code_under_emulation(tmp_path):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None or cs.isa() != "avx512bf16":
         pytest.skip("needs a C++ compiler and an AVX-512-BF16 CPU (the code scales scores with AVX-512)")
-    ext = Path(__file__).resolve().parents[1] / "ext"
+    ext = Path(__file__).resolve().parents[2] / "ext"
     exe = tmp_path / "amx_emulation"
     subprocess.run([cxx, "-std=c++17", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
                     "-mavx512dq", "-mavx512vl", "-mavx512bf16", f"-I{ext}", str(ext / "check" / "amx_emulation.cpp"),

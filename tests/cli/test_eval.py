@@ -12,7 +12,7 @@ from compiledllm.errors import UserError
 from compiledllm.evaluate import (agreement_scores, continuation_scores, load_eval_recipe, load_tasks,
                                   quality_numbers, run_eval)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "eval_tiny.yaml"
 TASKS = ROOT / "compiledllm" / "assets" / "tasks"
 

@@ -2,6 +2,8 @@
 torch forms (GPU only)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -50,11 +52,9 @@ def test_triton_matches_reference_and_grouped_mm(shape):
     ref = reference(moe, x, ids, w)
     scale = ref.abs().max().item()
     with torch.no_grad():
-        moe.backend = "triton"
-        tri = moe._routed(x, ids, w).double()
-        assert torch.equal(moe._routed(x, ids, w), tri.to(torch.bfloat16))  # deterministic
-        moe.backend = "grouped_mm"
-        gmm = moe._routed(x, ids, w).double()
+        tri = moe._routed(x, ids, w, "triton").double()
+        assert torch.equal(moe._routed(x, ids, w, "triton"), tri.to(torch.bfloat16))  # deterministic
+        gmm = moe._routed(x, ids, w, "grouped_mm").double()
     assert (tri - ref).abs().max().item() <= 0.02 * scale
     assert (gmm - ref).abs().max().item() <= 0.02 * scale
 
@@ -63,12 +63,11 @@ def test_rows_do_not_depend_on_the_batch():
     """A token's routed output is the same alone and among many (the row tile changes with the batch)."""
     moe = moe_layer(256, 8, 2048, 512)
     x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
-    moe.backend = "triton"
     with torch.no_grad():
         ids, w = moe.route(x)
-        full = moe._routed(x, ids, w)
+        full = moe._routed(x, ids, w, "triton")
         for n in (1, 32, 256):
-            assert torch.equal(moe._routed(x[:n], ids[:n], w[:n]), full[:n]), n
+            assert torch.equal(moe._routed(x[:n], ids[:n], w[:n], "triton"), full[:n]), n
 
 
 @pytest.mark.parametrize("routing", ["random", "same", "skewed"])
@@ -94,11 +93,10 @@ def test_sort_prelude(routing):
     moe = moe_layer(E, k, 2048, 512)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(T, k, device="cuda", generator=g)
-    moe.backend = "triton"
     with torch.no_grad():
-        out = moe._routed(x, ids, w)
+        out = moe._routed(x, ids, w, "triton")
         for _ in range(3):
-            assert torch.equal(moe._routed(x, ids, w), out)
+            assert torch.equal(moe._routed(x, ids, w, "triton"), out)
         ref = reference(moe, x[:64], ids[:64], w[:64])  # float64 over all 2048 tokens would need 256 GiB
     assert (out[:64].double() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
 
@@ -106,12 +104,11 @@ def test_sort_prelude(routing):
 def test_compiled_and_captured():
     """The op under torch.compile (fullgraph) and replayed from a CUDA graph equals the eager call."""
     moe = moe_layer(256, 8, 2048, 512)
-    moe.backend = "triton"
     x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ids, w = moe.route(x)
-        eager = moe._routed(x, ids, w)
-        compiled = torch.compile(moe._routed, fullgraph=True)
+        eager = moe._routed(x, ids, w, "triton")
+        compiled = torch.compile(functools.partial(moe._routed, backend="triton"), fullgraph=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -136,9 +133,7 @@ def test_fused_routing_equals_torch_routing(experts, groups, topk_group, top_k):
         moe.expert_bias.normal_(std=0.1)
         x = torch.randn(500, 64, device="cuda")
         assert moe_triton.route_supported(x, experts, groups)
-        moe.backend = "grouped_mm"  # the torch routing
-        ids, w = moe.route(x)
-        moe.backend = "auto"
+        ids, w = moe.route(x, "grouped_mm")  # the torch routing
         fused_ids, fused_w = moe.route(x)
     assert torch.equal(fused_ids, ids)
     torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)

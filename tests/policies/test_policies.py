@@ -1,4 +1,4 @@
-"""Policy details beyond DESIGN.md §4's defaults: the fixed-step schedule of `threshold`."""
+"""Policy details beyond docs/design.md §4's defaults: the fixed-step schedule of `threshold`."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,9 @@
 """The engine on CUDA: captured steps == eager steps, compiled == eager, batch invariance (GPU only)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import write_checkpoint
@@ -62,7 +65,7 @@ def test_gpu_batch_invariance(tmp_path, dtype):
 def test_kv_write_in_place_eager_and_compiled():
     """The KV write on a layer's strided view of the slot-major cache, eager and compiled as the regions are, lands
     in place and touches nothing else."""
-    from compiledllm.engine.stepper import INDUCTOR_OPTIONS
+    from compiledllm.engine.compile import INDUCTOR_OPTIONS
     from compiledllm.kv.cache import KVCache
 
     kv = KVCache.allocate(4, 6, 300, 4, 128, torch.bfloat16, "cuda")
@@ -81,3 +84,28 @@ def test_kv_write_in_place_eager_and_compiled():
     ref_k[:, 3].index_put_((rows, positions), k)
     ref_v[:, 3].index_put_((rows, positions), v)
     assert torch.equal(kv.k, ref_k) and torch.equal(kv.v, ref_v)
+
+
+@pytest.mark.parametrize("name", ["two_block", "draft_decode"])
+def test_new_step_shapes_graphs_equal_eager(tmp_path, name):
+    """The test-only policies of tests/policies on CUDA: two blocks per step (advance up to two), and a two-phase
+    step whose first phase is a QueryGroups 2B forward (the packed kernel's groups rule inside the engine); each
+    phase captured per bucket == eager in bf16 (the Triton kernels), and compiled + captured == eager in float32
+    (Inductor's fusions round bf16 differently, as in test_compiled_graphs_equal_eager)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policies"))  # the modules tests/policies imports
+    from draft_decode import DraftDecodeConfig, DraftDecodePolicy
+    from two_block import TwoBlockConfig, TwoBlockPolicy
+
+    from compiledllm.policies import register_policy
+
+    register_policy("two_block", TwoBlockConfig, TwoBlockPolicy)
+    register_policy("draft_decode", DraftDecodeConfig, DraftDecodePolicy)
+    pol = {"name": name, "block_size": 8, "threshold": 0.6}
+    kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=64)
+    for dtype, fast in ((torch.bfloat16, dict(cuda_graphs=True)), (torch.float32, dict(compile=True, cuda_graphs=True))):
+        model = gpu_model(tmp_path / str(dtype), "llada2", dtype, seed=13)
+        ps = prompts(6, model.config.vocab_size, seed=3)
+        eager = generate(model, ps, pol, cuda_graphs=False, **kw)
+        captured = generate(model, ps, pol, **fast, **kw)
+        assert [r.output_ids for r in captured] == [r.output_ids for r in eager], dtype
+        assert [r.steps for r in captured] == [r.steps for r in eager], dtype

@@ -1,4 +1,4 @@
-"""Cached / batched / compiled decoding against the literal DESIGN.md section 4 decoder.
+"""Cached / batched / compiled decoding against the literal docs/design.md §4 decoder.
 
 * literal_decode (tests/oracle.py) self-checks on hand-made logits;
 * (a) engine `threshold` and `t2t` tokens == literal_decode (no cache) over several

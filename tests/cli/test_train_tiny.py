@@ -13,7 +13,7 @@ import compiledllm
 from compiledllm.engine import generate
 from compiledllm.save import save_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_train_tiny_three_steps_then_loads(tmp_path):

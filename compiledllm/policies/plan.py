@@ -1,0 +1,54 @@
+"""Step plans: what a policy asks the engine to forward, and what it changes afterwards (docs/design.md §2).
+
+A step is one or more phases in the policy's fixed order. Each phase is one `Forward` (built by Policy.plan from
+the slot buffers) and one `Update` (Policy.update from that forward's logits); the engine runs the forward, hands
+the logits over, and applies the update. Everything is static-shape tensors: a phase runs eagerly, compiled, or
+replayed as a CUDA graph per (phase, batch bucket).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, Kernels
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One model forward over Q query tokens per row.
+
+    tokens / positions [B, Q] long: any positions (RoPE uses them), not only one contiguous block.
+    attention: what the queries see (mask rule, KV source, statistics).
+    kv_write [B, Q] long: the cache position each query's K/V is written at after the attention read it; -1 = not
+        written (None: the forward writes nothing).
+    logits_at [B, K] long: the query indices whose logits are returned (None: all Q), logits_rows [B, K] bool:
+        those the policy reads (the head may skip the others; None: all).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionSpec
+    kv_write: torch.Tensor | None = None
+    logits_at: torch.Tensor | None = None
+    logits_rows: torch.Tensor | None = None
+    float_logits: bool = False  # float32 logits (the reference); else the model's dtype (the decode step)
+    kernels: Kernels = field(default_factory=Kernels)
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a phase changes, applied by the engine to active rows only.
+
+    write_pos [B, K] long: sequence positions to set (-1 = none; never a prompt position) to tokens [B, K].
+    advance [B] long: blocks retired this phase (0..k). A retired block must be final in this phase's forward(s),
+        so the KV they wrote is the block's KV (for models that cache it).
+    state: the policy's new per-row state (reset by the policy itself where a block begins).
+    """
+
+    write_pos: torch.Tensor
+    tokens: torch.Tensor
+    advance: torch.Tensor
+    state: State

@@ -1,0 +1,119 @@
+"""The engine's side of the plan contract (docs/design.md §2, §5): applying an Update, skipped KV writes, the
+model's own block size, bidirectional models' forwards, the per-tier memory check, one constructor."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from checkpoints import write_checkpoint
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig, generate
+from compiledllm.engine.memory import check_fits
+from compiledllm.engine.state import SlotState
+from compiledllm.engine.step import apply_update
+from compiledllm.errors import UserError
+from compiledllm.kv.cache import KVCache, Tier
+from compiledllm.policies.plan import Update
+from compiledllm.recipe import load_recipe
+
+MASK, EOS = 1, 9
+
+
+def state(rows: int = 3, T: int = 16) -> SlotState:
+    st = SlotState.allocate(rows, T, {"n": torch.zeros(rows, dtype=torch.long)}, MASK, "cpu")
+    st.seq[:, :3] = torch.tensor([5, 6, 7])
+    st.prompt_len.fill_(3)
+    st.work_len.fill_(12)
+    st.active.fill_(True)
+    return st
+
+
+def test_apply_update_writes_advances_and_stops():
+    st = state()
+    st.active[2] = False
+    pos = torch.tensor([[3, 4, -1, -1], [4, 5, 6, 7], [3, 4, 5, 6]])
+    tok = torch.tensor([[20, 21, 22, 23], [30, EOS, 32, 33], [40, 41, 42, 43]])
+    apply_update(st, Update(pos, tok, torch.tensor([0, 2, 1]), {"n": torch.tensor([1, 2, 3])}), 4, EOS)
+    assert st.seq[0, :6].tolist() == [5, 6, 7, 20, 21, MASK]  # -1 writes nothing (position 0 keeps its token)
+    assert st.seq[1, 3:8].tolist() == [MASK, 30, EOS, 32, 33]
+    assert st.seq[2, 3:7].tolist() == [MASK] * 4  # an inactive row is left alone
+    assert st.block_start.tolist() == [0, 8, 0] and st.retired.tolist() == [0, 2, 0]
+    assert st.active.tolist() == [True, False, False]  # row 1 retired an EOS; row 0 retired nothing
+    assert st.steps.tolist() == [1, 1, 0] and st.policy["n"].tolist() == [1, 2, 3]
+
+
+def test_eos_stops_only_from_generated_tokens_of_retired_blocks():
+    st = state(2)
+    st.seq[0, 2] = EOS  # in the prompt: never stops
+    st.seq[1, 6] = EOS  # generated, in the second block
+    def retire(blocks):
+        apply_update(st, Update(torch.full((2, 1), -1), torch.zeros(2, 1, dtype=torch.long), torch.tensor(blocks),
+                                {}), 4, EOS)
+
+    retire([1, 1])  # block [0, 4): holds the prompt's EOS only
+    assert st.active.tolist() == [True, True]
+    retire([1, 1])  # block [4, 8): row 1's EOS
+    assert st.active.tolist() == [True, False] and st.block_start.tolist() == [8, 8]
+    retire([3, 0])  # past the working length: clamped to it, and that ends the row
+    assert st.block_start.tolist() == [12, 8] and st.active.tolist() == [False, False]
+
+
+def test_kv_write_minus_one_is_skipped():
+    kv = KVCache.allocate(2, 3, 10, 2, 4, torch.float32, "cpu")
+    kv.k.normal_()
+    kv.v.normal_()
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    index = torch.tensor([[0, -1, 5], [-1, -1, -1], [9, 3, -1]])
+    k, v = torch.randn(3, 3, 2, 4), torch.randn(3, 3, 2, 4)
+    kv.layer(1).write(index, k, v)
+    for b in range(3):
+        for j in range(3):
+            p = int(index[b, j])
+            if p >= 0:
+                before_k[b, 1, p], before_v[b, 1, p] = k[b, j], v[b, j]
+    assert torch.equal(kv.k, before_k) and torch.equal(kv.v, before_v)
+    assert kv.capacity == 10 and kv.layer(0).k.shape == (3, 10, 2, 4)
+
+
+def test_a_recipe_without_block_size_takes_the_models(tmp_path):
+    """SDAR's block is 4 (its config's default): a recipe that names no block size must decode with it."""
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "s", "sdar", 5), eos_token_id=0)
+    assert model.config.default_block_size == 4
+    engine = Engine(model, EngineConfig({"name": "threshold", "threshold": 0.5}, max_new_tokens=9))
+    assert engine.block == 4
+    ps = [[5, 6, 7, 8, 9], [3, 4]]
+    implicit = engine.generate(ps)
+    explicit = generate(model, ps, {"name": "threshold", "threshold": 0.5, "block_size": 4}, max_new_tokens=9)
+    assert [r.output_ids for r in implicit] == [r.output_ids for r in explicit]
+    with pytest.raises(UserError, match="steps"):  # range checks run once the block is known
+        Engine(model, EngineConfig({"name": "threshold", "steps": 8}, max_new_tokens=9))
+
+
+def test_bidirectional_models_make_no_forward_only_to_see_a_finished_block(tmp_path):
+    """Nothing is cached for LLaDA, so a block is done once its last MASK is filled: with tau 1.0 and `steps` S,
+    exactly S forwards per block (Fast-dLLM's count), not S + 1; block-causal models keep the KV forward."""
+    pol = {"name": "threshold", "block_size": 8, "threshold": 1.0, "steps": 4}
+    for arch, per_block in (("llada", 4), ("llada2", 5)):
+        model = compiledllm.load_model(write_checkpoint(tmp_path / arch, arch, 6), eos_token_id=95)
+        out = generate(model, [list(range(2, 10))], pol, max_new_tokens=24)[0]
+        assert len(out.output_ids) == 24 and out.blocks == 3
+        assert out.steps == 3 * per_block, arch
+
+
+def test_memory_check_counts_each_tier_on_its_device():
+    big = Tier("pinned CPU KV pool", torch.device("cpu"), 1 << 60)
+    with pytest.raises(UserError, match=r"on cpu \(activations 0\.0, pinned CPU KV pool 1073741824\.0\)"):
+        check_fits([Tier("activations", torch.device("cpu"), 1), big], 4, 128)
+    check_fits([Tier("activations", torch.device("cpu"), 1 << 20)], 4, 128)
+
+
+def test_one_constructor_from_a_recipe(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"policy": {"name": "t2t", "block_size": 4}, "generation": {"max_new_tokens": 5},
+                                    "batch_size": 3, "buckets": [1, 3], "prompts": [{"ids": [2, 3]}]}))
+    recipe = load_recipe(path)
+    model = compiledllm.load_model("tiny-llada2-random")
+    engine = Engine.from_recipe(model, recipe)
+    assert engine.config == EngineConfig(recipe.policy_config(), max_new_tokens=5, batch_size=3, buckets=(1, 3))
+    assert engine.block == 4 and engine.policy.name == "t2t"

@@ -1,0 +1,43 @@
+"""Several phases per step, each captured on its own (docs/design.md §2): a HERALD-shaped 2B-token draft forward
+(QueryGroups: block and copy see the prefix, not each other; no KV written) before threshold's forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+from draft_decode import DraftDecodeConfig, DraftDecodePolicy
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig, generate
+from compiledllm.policies import register_policy
+
+register_policy("draft_decode", DraftDecodeConfig, DraftDecodePolicy)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("m"), "llada2", 41), eos_token_id=0)
+
+
+def test_draft_phase_changes_nothing_and_predicts_the_decode(model):
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 2, 12)]
+    kw = dict(max_new_tokens=14, batch_size=3, max_seq_len=40)
+    plain = generate(model, ps, {"name": "threshold", "block_size": 4, "threshold": 0.6}, **kw)
+    engine = Engine(model, EngineConfig({"name": "draft_decode", "block_size": 4, "threshold": 0.6}, **kw))
+    both = engine.generate(ps)
+    assert [r.output_ids for r in both] == [r.output_ids for r in plain]
+    assert [r.steps for r in both] == [2 * r.steps for r in plain]  # each step: the draft forward and the decode
+    assert engine.policy.mismatches and max(engine.policy.mismatches) == 0
+
+
+def test_two_phase_step_compiled_equals_eager_within_the_recompile_budget(model):
+    """Regional compile of a two-phase step: each layer kind compiles once per (bucket, phase shape), 2B and B
+    tokens here; the recompile budget makes room for both (from a limit of 1, as a long process would reach)."""
+    ps = [[5, 6, 7, 8, 9], [10, 11]]
+    pol = {"name": "draft_decode", "block_size": 4, "threshold": 0.6}
+    kw = dict(max_new_tokens=8, batch_size=2, buckets=[2], cuda_graphs=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
+        runs = [Engine(model, EngineConfig(pol, compile=c, **kw)).generate(ps) for c in (True, False)]
+    assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]
