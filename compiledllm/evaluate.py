@@ -192,6 +192,9 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
         metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
                           "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
                           "tokens_per_s": tokens / max(wall, 1e-9)}
+        stats = [r.extra for r in results if r.extra]
+        if stats:  # the policy's own statistics (Policy.report), summed over the tasks
+            metrics[label]["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
     for label in labels:
         metrics[label] |= agreement_scores(outputs[label], outputs[labels[ref_i]])
     return {"tasks": len(tasks), "max_new_tokens": n_new, "reference": labels[ref_i],

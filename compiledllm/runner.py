@@ -62,6 +62,8 @@ def result_record(res: GenerationResult) -> dict:
     if res.text is not None:
         rec["text"] = res.text
     rec |= {"steps": res.steps, "latency_s": round(res.latency_s, 6)}
+    if res.extra:  # the policy's own per-request statistics (Policy.report)
+        rec["policy_stats"] = res.extra
     return rec
 
 

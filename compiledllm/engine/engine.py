@@ -193,8 +193,8 @@ class Engine:
         tok = self.model.tokenizer
         blocks = (int(st.block_start[s]) - P // self.block * self.block) // self.block
         return GenerationResult(index=index, prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
-                                blocks=blocks,
-                                latency_s=time.perf_counter() - t0, text=tok.decode(out) if tok else None)
+                                blocks=blocks, latency_s=time.perf_counter() - t0,
+                                text=tok.decode(out) if tok else None, extra=self.policy.report(st, s))
 
 
 def generate(model, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,

@@ -11,12 +11,16 @@ from pydantic import TypeAdapter, ValidationError
 
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
+from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
+from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "threshold": (ThresholdConfig, ThresholdPolicy),
     "t2t": (T2TConfig, T2TPolicy),
+    "flowblock": (FlowBlockConfig, FlowBlockPolicy),
+    "flowblock_sync": (FlowBlockSyncConfig, FlowBlockSyncPolicy),
 }
 
 
@@ -74,5 +78,5 @@ def policy_name(config: PolicyConfig) -> str:
     return next(n for n, (c, _) in POLICIES.items() if type(config) is c)
 
 
-__all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "make_policy", "policy_config",
+__all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "FlowBlockConfig", "make_policy", "policy_config",
            "policy_name", "register_policy", "resolve_block"]

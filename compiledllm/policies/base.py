@@ -114,6 +114,10 @@ class Policy(ABC):
         """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
         device work on host.side_stream. Default: none."""
 
+    def report(self, st: SlotState, slot: int) -> dict:
+        """Per-request statistics of the policy, read once the request in `slot` ended (GenerationResult.extra)."""
+        return {}
+
 
 class BlockPolicy(Policy):
     """A policy that decodes one block per row at a time (`threshold`, `t2t`): its forward is the current block

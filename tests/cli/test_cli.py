@@ -281,3 +281,14 @@ def test_output_into_new_folder_and_unwritable_output(tmp_path):
     assert res.exit_code == 0 and (tmp_path / "new" / "dir" / "r.jsonl").exists(), res.output
     (tmp_path / "file").write_text("x")
     assert_user_error(run_cli("run", write_recipe(tmp_path), "--output", tmp_path / "file" / "r.jsonl"), "output")
+
+
+@pytest.mark.parametrize("name", ["flowblock", "flowblock_sync"])
+def test_flowblock_runs_from_a_recipe_with_its_statistics(tmp_path, name):
+    pol = {"name": name, "block_size": 4, "window": 2, "spawn": 0.0, "threshold": 0.9}
+    res = run_cli("run", write_recipe(tmp_path, policy=pol))
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["output_ids"] for r in rows)
+    assert all(set(r["policy_stats"]) == {"front_drafts", "down_drafts", "front_edits", "down_edits"} for r in rows)
+    assert_user_error(run_cli("run", write_recipe(tmp_path, policy={**pol, "readiness": "later"})), "readiness")

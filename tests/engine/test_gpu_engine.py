@@ -86,10 +86,11 @@ def test_kv_write_in_place_eager_and_compiled():
     assert torch.equal(kv.k, ref_k) and torch.equal(kv.v, ref_v)
 
 
-@pytest.mark.parametrize("name", ["two_block", "draft_decode"])
+@pytest.mark.parametrize("name", ["two_block", "draft_decode", "flowblock", "flowblock_sync"])
 def test_new_step_shapes_graphs_equal_eager(tmp_path, name):
-    """The test-only policies of tests/policies on CUDA: two blocks per step (advance up to two), and a two-phase
-    step whose first phase is a QueryGroups 2B forward (the packed kernel's groups rule inside the engine); each
+    """The test-only policies of tests/policies on CUDA - two blocks per step (advance up to two), a two-phase step
+    whose first phase is a QueryGroups 2B forward (the packed kernel's groups rule inside the engine) - and FlowBlock
+    (ungated: windows of two blocks) and its lock-step variant; each
     phase captured per bucket == eager in bf16 (the Triton kernels), and compiled + captured == eager in float32
     (Inductor's fusions round bf16 differently, as in test_compiled_graphs_equal_eager)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policies"))  # the modules tests/policies imports
@@ -100,7 +101,7 @@ def test_new_step_shapes_graphs_equal_eager(tmp_path, name):
 
     register_policy("two_block", TwoBlockConfig, TwoBlockPolicy)
     register_policy("draft_decode", DraftDecodeConfig, DraftDecodePolicy)
-    pol = {"name": name, "block_size": 8, "threshold": 0.6}
+    pol = {"name": name, "block_size": 8, "threshold": 0.6} | ({"spawn": 0.0} if "flowblock" in name else {})
     kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=64)
     for dtype, fast in ((torch.bfloat16, dict(cuda_graphs=True)), (torch.float32, dict(compile=True, cuda_graphs=True))):
         model = gpu_model(tmp_path / str(dtype), "llada2", dtype, seed=13)
