@@ -18,6 +18,14 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+TRUST_HELP = ("Allow model.path to be an exported engine: loading one runs its native code (same as the recipe key "
+              "model.trust_exported: true).")
+
+
+def trusting(overrides: list[str] | None, trust_exported: bool) -> list[str]:
+    return [*(overrides or []), *(["model.trust_exported=true"] if trust_exported else [])]
+
+
 def fail(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
@@ -38,28 +46,32 @@ def run(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Results JSONL (overrides the recipe's output)."),
+    trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
 ) -> None:
     """Decode every prompt of RECIPE; write one JSON line per prompt and print a summary."""
     from compiledllm.recipe import load_recipe
-    from compiledllm.runner import execute, result_record, summary_dict
+    from compiledllm.runner import RunInterrupted, execute, result_record
 
     try:
-        rec = load_recipe(recipe, set_)
+        rec = load_recipe(recipe, trusting(set_, trust_exported))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
         with Progress(TextColumn("[bold]decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as progress:
             task = progress.add_task("decode", total=None)
             results, summary = execute(
                 rec, on_start=lambda n: progress.update(task, total=n),
-                on_result=lambda r: progress.advance(task), output=out)
+                on_result=lambda r: progress.advance(task), output=out, inputs=[recipe])
     except UserError as e:
         fail(str(e))
+    except RunInterrupted as e:
+        kept = f"kept {e.kept} finished results in {e.path}" if e.path else f"{e.kept} results had finished"
+        err_console.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False)
+        raise typer.Exit(130)
     if out is None:
         for r in results:
             sys.stdout.write(json.dumps(result_record(r)) + "\n")
     else:
-        out.with_suffix(".summary.json").write_text(json.dumps(summary_dict(summary), indent=2) + "\n")
-        console.print(f"wrote {len(results)} results to {out}")
+        console.print(f"wrote {len(results)} results to {out} (summary: {out.with_suffix('.summary.json')})")
     console.print(summary_table(summary))
 
 
@@ -73,6 +85,8 @@ def profile(
     from compiledllm.profiler import profile_recipe
 
     try:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json, profile.json, profile.png)")
         table, summary, chart, ops = profile_recipe(recipe, out, set_)
     except UserError as e:
         fail(str(e))
@@ -104,6 +118,11 @@ def export(
     from compiledllm.export.trace import export_recipe
 
     try:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out: {out} is a file; export writes a folder")
+        if out.is_dir() and any(out.iterdir()) and not (out / "compiledllm_export.json").exists():
+            raise UserError(f"--out: {out} is a folder with other files in it; name an empty or new folder "
+                            "(an earlier export there is replaced)")
         with Progress(TextColumn("[bold]exporting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as progress:
             task = progress.add_task("export", total=None)
@@ -141,23 +160,29 @@ def eval_(
     recipe: Path = typer.Argument(..., help="Eval recipe YAML file (model, policies, task files)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report JSON (overrides the recipe's output)."),
+    trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
 ) -> None:
     """Decode every task of RECIPE with each policy; print quality and speed per policy and write a JSON report."""
     from compiledllm.evaluate import load_eval_recipe, run_eval
 
+    from compiledllm.outputs import check_output, write_atomic
+
     try:
-        rec = load_eval_recipe(recipe, set_)
+        rec = load_eval_recipe(recipe, trusting(set_, trust_exported))
+        out = output if output is not None else (Path(rec.output) if rec.output else None)
+        if out is not None:  # before the evaluation, not after it
+            check_output(out, [recipe, *(rec.resolve(t) for t in rec.tasks)], "eval output")
         with Progress(TextColumn("[bold]eval[/] {task.description}"), TimeElapsedColumn(), console=err_console,
                       transient=True) as progress:
             task = progress.add_task("loading", total=None)
             report = run_eval(rec, on_progress=lambda s: progress.update(task, description=s))
+        if out is not None:
+            write_atomic(out, json.dumps(report, indent=2) + "\n", "eval output")
     except UserError as e:
         fail(str(e))
     for name, entry in report["files"].items():
         console.print(eval_table(name, entry))
-    out = output if output is not None else (Path(rec.output) if rec.output else None)
     if out is not None:
-        out.write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {out}")
 
 

@@ -22,23 +22,23 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compiledllm.errors import UserError
-from compiledllm.recipe import ModelSpec, load_validated
+from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, read_text
 
 TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # no bool for a number, no float for an int
 
 
 class EvalRecipe(_Strict):
-    model: ModelSpec = ModelSpec()
-    tasks: list[str] = Field(min_length=1)                      # JSONL task files (relative to the recipe)
+    model: ModelSpec = Field(default={}, validate_default=True)  # required: {} fails, saying what to give
+    tasks: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)  # JSONL task files (relative to the recipe)
     policies: list[dict[str, Any]] = Field(min_length=1)        # policy params, plus an optional `label`
     reference: int | str | None = None                          # label or index of the reference policy
     max_new_tokens: int | None = Field(default=None, ge=1)      # default: the longest reference of a file
@@ -48,7 +48,7 @@ class EvalRecipe(_Strict):
     compile: bool = False
     cuda_graphs: bool = True                                    # on CUDA: capture the step per batch bucket
     save_outputs: bool = False                                  # include every generated token list in the JSON
-    output: str | None = "eval_results.json"
+    output: str | None = Field(default="eval_results.json", min_length=1)
     base_dir: str = Field(default=".", exclude=True)
 
     @model_validator(mode="after")
@@ -60,6 +60,16 @@ class EvalRecipe(_Strict):
     def resolve(self, path: str) -> Path:
         p = Path(path)
         return p if p.is_absolute() else Path(self.base_dir) / p
+
+
+class _TaskLine(BaseModel):
+    """One line of a task file as written; other keys (e.g. `meta`) are the file's own."""
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+    id: str | int | None = None
+    prompt: Text | None = None
+    reference: Text | None = None
+    prompt_ids: list[TokenId] | None = None
+    reference_ids: list[TokenId] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,8 @@ def policy_labels(policies: list[dict]) -> list[str]:
 
     labels = []
     for i, p in enumerate(policies):
+        if "label" in p and not (isinstance(p["label"], str) and p["label"]):
+            raise UserError(f"policies[{i}].label: a non-empty string (got {p['label']!r})")
         params = {k: v for k, v in p.items() if k != "label"}
         try:
             policy_config(params)
@@ -102,36 +114,38 @@ def reference_index(reference: int | str | None, labels: list[str]) -> int:
 
 
 def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | None = None) -> list[Task]:
-    if not file.exists():
-        raise UserError(f"task file {file} not found")
     tasks = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(file, "task file").split("\n"), 1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
         if limit is not None and len(tasks) >= limit:
             break
         try:
-            rec = json.loads(line)
+            raw = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{file}:{n}: malformed JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
+        if not isinstance(raw, dict):
             raise UserError(f"{file}:{n}: a task is a JSON object")
+        try:
+            rec = _TaskLine.model_validate(raw)
+        except ValidationError as e:
+            raise UserError(f"{file}:{n}: {first_error(e)}") from None
         ids = {}
         for key in ("prompt", "reference"):
-            has_ids, has_text = rec.get(f"{key}_ids") is not None, isinstance(rec.get(key), str)
-            if has_ids and (tokens == "ids" or not has_text):
-                ids[key] = [int(t) for t in rec[f"{key}_ids"]]
-            elif has_text:
+            given, text = getattr(rec, f"{key}_ids"), getattr(rec, key)
+            if given is not None and (tokens == "ids" or text is None):
+                ids[key] = given
+            elif text is not None:
                 if tokenizer is None:
                     raise UserError(f"{file}:{n}: {key} is text but the model has no tokenizer.json")
-                ids[key] = tokenizer.encode(rec[key])
+                ids[key] = tokenizer.encode(text)
             else:
                 raise UserError(f"{file}:{n}: needs {key} (text) or {key}_ids")
         if not ids["prompt"] or not ids["reference"]:
             raise UserError(f"{file}:{n}: empty prompt or reference")
-        tasks.append(Task(str(rec.get("id", f"{file.stem}/{n}")), ids["prompt"], ids["reference"]))
+        tasks.append(Task(f"{file.stem}/{n}" if rec.id is None else str(rec.id), ids["prompt"], ids["reference"]))
     if not tasks:
-        raise UserError(f"task file {file} holds no tasks")
+        raise UserError(f"{file}: task file holds no tasks")
     return tasks
 
 

@@ -1,32 +1,75 @@
-"""load_model: config.json + safetensors (single or sharded) + tokenizer -> a ready model. Never unpickles."""
+"""load_model: config.json + safetensors (single or sharded) + tokenizer -> a ready model. Never unpickles.
+
+A checkpoint is hostile input: every JSON file is read with a size limit (models/config.py JSON_LIMIT, tokenizer.py
+TOKENIZER_LIMIT), weight files must be regular files that lie inside the checkpoint directory once links are
+resolved (or in a Hugging Face hub cache's blobs/, which cache snapshots link to), config values are checked where
+they are parsed, the tensors' names and shapes are checked against the config on the meta device before any memory
+is allocated, and every loaded tensor must be floating point and finite (allow_nonfinite=True: a warning instead).
+Exported engines run native code, so loading one is an explicit decision (trust_exported=True). Every problem is a
+one-line UserError naming the file, key or value."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from compiledllm.errors import UserError
-from compiledllm.export.runtime import is_exported, load_exported
 from compiledllm.models import (KNOWN_ARCHITECTURES, BlockDiffusionLM, architecture_module, build_model,
                                 resolve_architecture)
-from compiledllm.models.config import ModelConfig
-from compiledllm.tokenizer import TextTokenizer
+from compiledllm.models.config import InvalidConfig, ModelConfig, read_json, show
+from compiledllm.tokenizer import TextTokenizer, one_line
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters save; recomputed here
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DEVICE_TYPES = ("cpu", "cuda")
 
 
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def parse_dtype(dtype, what: str = "model.dtype") -> torch.dtype:
+    """A floating torch dtype from a torch.dtype or one of DTYPES' names."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise UserError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
-    return names[dtype]
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise UserError(f"{what}: {dtype!r} is not one of float32, bfloat16, float16")
+
+
+def available_devices() -> list[str]:
+    return ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+
+
+def parse_device(value, what: str = "model.device") -> torch.device:
+    """A device this process can place a model on (cpu, cuda, cuda:N of an existing GPU), from a string or a
+    torch.device; anything else is a UserError naming `what` and the devices there are."""
+    here = f"available here: {', '.join(available_devices())}"
+    if not isinstance(value, (str, torch.device)):
+        raise UserError(f"{what}: expected a device name such as cpu or cuda:0, got {value!r} ({here})")
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # torch's message lists every device type it knows, most of which compiledllm never runs
+        raise UserError(f"{what}: {str(value)!r} is not a device name ({here})") from None
+    if device.type not in DEVICE_TYPES:
+        raise UserError(f"{what}: compiledllm runs models on cpu or cuda, not {device.type!r} ({here})")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{what}: {value}: CUDA is not available in this process ({here})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"{what}: {value} does not exist ({here})")
+    return device
+
+
+def parse_path(path) -> str | Path:
+    """A checkpoint directory, export directory or built-in name; `""` would silently mean the current folder."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path.strip():
+        raise UserError(f"model.path: expected a checkpoint directory or a built-in model name, got {path!r}")
+    return path
 
 
 def read_config(path: Path) -> dict:
@@ -35,41 +78,72 @@ def read_config(path: Path) -> dict:
         raise UserError(f"{path}: not a model directory")
     if not file.exists():
         raise UserError(f"{file}: not found (a model directory needs config.json)")
-    try:
-        cfg = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{file}: malformed JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{file}: expected a JSON object")
-    return cfg
+    return read_json(file)
 
 
 def parse_model_config(hf_config: dict, source: str) -> ModelConfig:
+    archs, model_type = hf_config.get("architectures"), hf_config.get("model_type")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UserError(f"{source}: architectures must be a list of strings, got {show(archs)}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise UserError(f"{source}: model_type must be a string, got {show(model_type)}")
     arch = resolve_architecture(hf_config)
     if arch is None:
         got = hf_config.get("architectures") or hf_config.get("model_type")
         raise UserError(f"{source}: unknown architecture {got!r} (supported: {', '.join(KNOWN_ARCHITECTURES)})")
+    module = architecture_module(arch)
     try:
-        return architecture_module(arch).parse_config(hf_config)
+        return module.parse_config(hf_config)
     except KeyError as e:
         raise UserError(f"{source}: missing key {e.args[0]!r} for architecture {arch}") from None
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{source}: invalid value ({e})") from None
+    except InvalidConfig as e:
+        raise UserError(f"{source}: {e.describe(module.KEYS)}") from None
+
+
+def inside_checkpoint(path: Path, file: Path) -> bool:
+    """Whether `file`, links resolved, lies in the checkpoint directory `path`, or in a Hugging Face hub cache's
+    blobs/ folder (`models--org--name/blobs/`), which the hub cache's snapshots and older `--local-dir` downloads
+    link their files to."""
+    real = file.resolve()
+    cache_blob = real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
+    return real.is_relative_to(path.resolve()) or cache_blob
+
+
+def weight_file(path: Path, name: str, source: Path) -> Path:
+    """The weight file `name` of checkpoint `path` (named by `source`), refused unless it is a regular file inside
+    the checkpoint (absolute names, `..` and links out of it are refused)."""
+    file = path / name
+    try:
+        inside = not Path(name).is_absolute() and inside_checkpoint(path, file)
+    except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL byte
+        raise UserError(f"{source}: weight file {name!r} cannot be resolved ({e})") from None
+    if not inside:
+        raise UserError(f"{source}: weight file {name!r} lies outside the checkpoint directory {path}")
+    if file.exists() and not file.is_file():
+        raise UserError(f"{source}: weight file {name!r} is not a regular file")
+    return file
+
+
+def index_files(path: Path, index: Path) -> list[Path]:
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: weight_map must be a non-empty mapping of tensor name -> shard file, "
+                        f"got {show(weight_map)}")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise UserError(f"{index}: weight_map[{bad[0]!r}] must be a shard file name, got {show(bad[1])}")
+    files = [weight_file(path, name, index) for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise UserError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
+    return files
 
 
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: malformed index ({e!r})") from None
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise UserError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
+        return index_files(path, index)
+    files = [weight_file(path, f.name, path) for f in sorted(path.glob("*.safetensors"))]
     if files:
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -79,64 +153,131 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise UserError(f"{path}: no *.safetensors weights found")
 
 
-def load_weights(model: BlockDiffusionLM, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its parameter; every expected weight must be found, shapes must match."""
-    targets = model.hf_weight_map()
-    seen: set[str] = set()
-    unexpected: list[str] = []
+def copy_tensor(target: torch.Tensor, tensor: torch.Tensor, name: str, file: Path, allow_nonfinite: bool) -> bool:
+    """Copy one checkpoint tensor into its parameter; True if it holds NaN / inf (refused unless allowed). The
+    check runs on the parameter after the cast, so float32 values beyond float16's range count too."""
+    if not tensor.is_floating_point():  # an integer or bool weight would be cast silently
+        raise UserError(f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; weights must be "
+                        "floating point")
+    with torch.no_grad():
+        target.copy_(tensor)
+    finite = torch.isfinite(target)
+    if bool(finite.all()):
+        return False
+    if not allow_nonfinite:
+        bad = finite.numel() - int(finite.sum())
+        raise UserError(f"{file}: tensor {name} has {bad} NaN/inf values as {str(target.dtype).removeprefix('torch.')}"
+                        " (allow_nonfinite=True loads it anyway)")
+    return True
+
+
+def open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise UserError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def skeleton(config: ModelConfig, dtype: torch.dtype = torch.float32, source: str = "model config") -> BlockDiffusionLM:
+    """The model on the meta device (shapes, no memory); sizes torch cannot represent are a UserError."""
+    try:
+        with torch.device("meta"):
+            return build_model(config).to(dtype)
+    except (RuntimeError, TypeError) as e:  # a size past int64, or a tensor whose bytes overflow it
+        raise UserError(f"{source}: its sizes make no model (vocab_size {show(config.vocab_size)}, hidden_size "
+                        f"{show(config.hidden_size)}, intermediate_size {show(config.intermediate_size)}): "
+                        f"{one_line(e, 120)}") from None
+
+
+def check_tensors(config: ModelConfig, files: list[Path], source: str) -> None:
+    """The checkpoint's tensor names and shapes (safetensors headers only) against the model's: every expected
+    tensor present with its shape, nothing unexpected. Runs on the meta device before any memory is allocated, so
+    a config.json (`source`) that lies about sizes cannot make this process allocate them; layer and expert
+    counts are held against the number of tensors first, as building that many layers would itself take long."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise UserError(f"{file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for name in f.keys():
-                target = targets.get(name)
-                if target is None:
-                    if not name.endswith(IGNORED_SUFFIXES):
-                        unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    raise UserError(f"{file.name}: tensor {name} has shape {list(shape)}, "
-                                    f"the config implies {list(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(f.get_tensor(name))
-                seen.add(name)
+        with open_safetensors(file) as f:
+            found.update((name, (file, tuple(f.get_slice(name).get_shape()))) for name in f.keys())
+    keys = architecture_module(config.architecture).KEYS
+    counts = {"num_layers": (config.num_layers, 2)}  # a layer has at least its two norms
+    if config.moe is not None:
+        counts["num_experts"] = (config.moe.num_experts, 3)  # a routed expert its three projections
+    for field, (n, tensors) in counts.items():
+        if n * tensors > len(found):
+            raise UserError(f"{source}: {keys.get(field, field)}={n} needs at least {n * tensors} tensors, "
+                            f"the checkpoint has {len(found)}")
+    expected = {name: tuple(t.shape) for name, t in skeleton(config, source=source).hf_weight_map().items()}
+    for name, (file, shape) in found.items():
+        if name in expected and shape != expected[name]:
+            raise UserError(f"{file.name}: tensor {name} has shape {list(shape)}, "
+                            f"the config implies {list(expected[name])}")
+    unexpected = [n for n in found if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
     if unexpected:
         more = f" (+{len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
         raise UserError(f"{files[0].parent}: checkpoint tensors the model does not use: "
                         f"{', '.join(unexpected[:3])}{more}")
-    missing = [n for n in targets if n not in seen]
+    missing = [n for n in expected if n not in found]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise UserError(f"{files[0].parent}: checkpoint lacks tensors the model needs: {', '.join(missing[:3])}{more}")
 
 
+def load_weights(model: BlockDiffusionLM, files: list[Path], allow_nonfinite: bool = False) -> None:
+    """Copy every checkpoint tensor into its parameter, one tensor at a time (check_tensors has run); values must
+    be finite floats (allow_nonfinite: one warning counting the tensors that are not)."""
+    targets = model.hf_weight_map()
+    nonfinite = 0
+    for file in files:
+        with open_safetensors(file) as f:
+            for name in f.keys():
+                if name in targets:
+                    nonfinite += copy_tensor(targets[name], f.get_tensor(name), name, file, allow_nonfinite)
+    if nonfinite:
+        warnings.warn(f"{files[0].parent}: {nonfinite} tensors hold NaN/inf values (loaded: allow_nonfinite=True)",
+                      stacklevel=3)
+
+
 def materialize(config: ModelConfig, device, dtype: torch.dtype) -> BlockDiffusionLM:
     """Build the model without initialising weights (they are loaded or initialised next)."""
-    with torch.device("meta"):
-        model = build_model(config).to(dtype)
-    model = model.to_empty(device=device)
+    model = skeleton(config, dtype)
+    try:
+        model = model.to_empty(device=device)
+    except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
+        n = sum(p.numel() for p in model.parameters())
+        raise UserError(f"the model ({n:.3g} parameters as {str(dtype).removeprefix('torch.')}) does not fit in the "
+                        f"memory of {device}: {one_line(e, 120)}") from None
     model.reset_buffers()
     return model.eval().requires_grad_(False)
 
 
+def token_id_argument(value, kind: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise UserError(f"model.{kind}_token_id: expected a token id (an integer >= 0), got {value!r}")
+    return value
+
+
 def resolve_special_ids(config: ModelConfig, tokenizer: TextTokenizer | None, mask_token_id, eos_token_id,
                         source: str) -> ModelConfig:
-    """The config with its MASK / EOS ids resolved: recipe value, else config.json, else the tokenizer's special
-    tokens, else the architecture's known default."""
+    """The config with its MASK / EOS ids resolved: the given value, else config.json, else the tokenizer's
+    special tokens, else the architecture's known default. They must differ: decoding stops at EOS and never
+    produces MASK."""
     defaults = architecture_module(config.architecture).DEFAULTS
-    from_tok = {"mask": tokenizer.mask_id() if tokenizer else None, "eos": tokenizer.special_id("eos_token") if tokenizer else None}
-    ids = {}
+    from_tok = {"mask": tokenizer.mask_id() if tokenizer else None,
+                "eos": tokenizer.special_id("eos_token") if tokenizer else None}
+    ids, origins = {}, {}
     for kind, override, from_cfg in (("mask", mask_token_id, config.mask_token_id),
                                      ("eos", eos_token_id, config.eos_token_id)):
         if isinstance(from_cfg, list):  # some configs list several EOS ids; the first is the primary one
             from_cfg = from_cfg[0] if from_cfg else None
-        value = next(v for v in (override, from_cfg, from_tok[kind], defaults[f"{kind}_token_id"]) if v is not None)
-        if not 0 <= int(value) < config.vocab_size:
+        candidates = ((f"model.{kind}_token_id", token_id_argument(override, kind)), ("config.json", from_cfg),
+                      ("the tokenizer", from_tok[kind]), ("the architecture's default", defaults[f"{kind}_token_id"]))
+        origins[kind], value = next((o, v) for o, v in candidates if v is not None)
+        if not 0 <= value < config.vocab_size:
             raise UserError(f"{source}: {kind}_token_id {value} is outside the vocabulary [0, {config.vocab_size})")
-        ids[f"{kind}_token_id"] = int(value)
+        ids[f"{kind}_token_id"] = value
+    if ids["mask_token_id"] == ids["eos_token_id"]:
+        raise UserError(f"{source}: mask_token_id and eos_token_id are both {ids['mask_token_id']} (mask from "
+                        f"{origins['mask']}, eos from {origins['eos']}); decoding could never stop at EOS")
     return dataclasses.replace(config, **ids)
 
 
@@ -147,34 +288,46 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
     from compiledllm.builtin import init_random
     from compiledllm.models.presets import PRESETS
 
+    device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(config, str):
         if config not in PRESETS:
             raise UserError(f"model.config: unknown preset {config!r} (presets: {', '.join(PRESETS)})")
         source, config = f"preset {config}", PRESETS[config]
-    else:
+    elif isinstance(config, dict):
         source = "model.config"
+    else:
+        raise UserError(f"model.config: expected a preset name or a config.json mapping, got {show(config)}")
     config = resolve_special_ids(parse_model_config(config, source), None, mask_token_id, eos_token_id, source)
-    model = materialize(config, device, parse_dtype(dtype))
+    model = materialize(config, device, dtype)
     init_random(model, seed)
     return model
 
 
 def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
-               eos_token_id: int | None = None) -> BlockDiffusionLM:
-    """Load a Hugging Face-layout checkpoint directory (or a built-in model name) onto `device`."""
+               eos_token_id: int | None = None, *, allow_nonfinite: bool = False,
+               trust_exported: bool = False) -> BlockDiffusionLM:
+    """Load a Hugging Face-layout checkpoint directory (or a built-in model name, or an exported engine) onto
+    `device`. allow_nonfinite: load NaN / inf weights with a warning instead of refusing them. trust_exported:
+    load an exported engine, whose packages are native code that runs in this process."""
     from compiledllm import builtin
+    from compiledllm.export.runtime import is_exported, load_exported  # runtime imports this module's parsers
 
+    path, device, dtype = parse_path(path), parse_device(device), parse_dtype(dtype)
     if is_exported(path):
+        if not trust_exported:
+            raise UserError(f"{path}: an exported engine runs native code (its .pt2 packages are shared libraries); "
+                            "load it only from a source you trust: trust_exported=True (recipe: model.trust_exported:"
+                            " true, CLI: --trust-exported)")
         return load_exported(path, device)
     if builtin.is_builtin(path):
         return builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
     path = Path(path)
-    dtype = parse_dtype(dtype)
     config = parse_model_config(read_config(path), str(path / "config.json"))
     files = checkpoint_files(path)
     tokenizer = TextTokenizer.from_dir(path)
     config = resolve_special_ids(config, tokenizer, mask_token_id, eos_token_id, str(path))
+    check_tensors(config, files, str(path / "config.json"))
     model = materialize(config, device, dtype)
-    load_weights(model, files)
+    load_weights(model, files, allow_nonfinite)
     model.tokenizer = tokenizer
     return model

@@ -1,36 +1,133 @@
 """Recipe files: a validated, immutable description of one run (model, policy, prompts, output)."""
 from __future__ import annotations
 
+import copy
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from compiledllm.builtin import BUILTINS
 from compiledllm.errors import UserError
+from compiledllm.loader import parse_device
 from compiledllm.policies import POLICIES, PolicyConfig, policy_config
+
+MAX_RECIPE_BYTES = 4 << 20  # a recipe is a few KiB: anything this large is the wrong file
+
+
+def read_text(path: Path, what: str, limit: int | None = None) -> str:
+    """The UTF-8 text of an input file; a missing, unreadable, binary or oversized file is a UserError naming it."""
+    if not path.exists():
+        raise UserError(f"{path}: {what} not found")
+    if path.is_dir():
+        raise UserError(f"{path}: {what} is a directory, not a file")
+    try:
+        with path.open("rb") as f:
+            data = f.read() if limit is None else f.read(limit + 1)  # bounded: a device file never ends
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what} ({e.strerror})") from None
+    if limit is not None and len(data) > limit:
+        raise UserError(f"{path}: {what} is larger than {limit >> 20} MiB; is it the right file?")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: {what} is not UTF-8 text (byte {data[e.start]:#04x})") from None
+    if "\0" in text:
+        raise UserError(f"{path}: {what} is a binary file (it holds NUL bytes), not text")
+    return text
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's guesses: a repeated key is an error, only true/false are booleans (yes, no,
+    on, off stay strings, which a bool field then refuses), and 1e-3 is a float as in YAML 1.2."""
+
+    yaml_implicit_resolvers = {first: [r for r in rs if r[0] != "tag:yaml.org,2002:bool"]
+                               for first, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise _DuplicateKey(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> data; a syntax error or a duplicate key is a UserError naming `where` and the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        what = problem if isinstance(e, _DuplicateKey) else f"malformed YAML ({problem})"
+        raise UserError(f"{where}: {what}" + (f" (line {mark.line + 1})" if mark is not None else "")) from None
+
+
+def _device(value: str) -> str:
+    parse_device(value, "model.device")  # a UserError naming the devices there are, before any model is built
+    return value
+
+
+def _encodable(value: Any) -> Any:
+    """A lone surrogate (e.g. from the JSON escape "\\ud800") is refused: no tokenizer encodes it. Runs before the
+    str check, which refuses it less clearly wherever a length constraint applies."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode (lone surrogate {value[e.start]!r} at character {e.start})") from None
+    return value
+
+
+Text = Annotated[str, BeforeValidator(_encodable)]
+TokenId = Annotated[int, Field(ge=0)]
+NO_MODEL = ("no model given: set model.path to a checkpoint directory or a built-in name ("
+            + ", ".join(BUILTINS) + "), or model.init: random with model.config (a preset name or a config.json mapping)")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a bool field takes only true/false, an int field no float or bool, a float field no bool (ints are fine)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Strict):
-    path: str = "tiny-llada2-random"   # checkpoint directory or built-in name (init: checkpoint)
+    path: str | None = Field(default=None, min_length=1)  # checkpoint directory or built-in name (init: checkpoint)
     init: Literal["checkpoint", "random"] = "checkpoint"
     config: str | dict[str, Any] | None = None  # init: random -> a preset name or an inline config.json mapping
     architecture: str | None = None     # optional check of the config's architecture (init: random)
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    device: Annotated[str, AfterValidator(_device)] = "cpu"  # cpu, cuda or cuda:N
     mask_token_id: int | None = Field(default=None, ge=0)
     eos_token_id: int | None = Field(default=None, ge=0)
+    trust_exported: bool = False   # load an exported engine (model.path: an export folder): that runs its native code
+    allow_nonfinite: bool = False  # NaN / inf weights load with a warning instead of being refused
 
     @model_validator(mode="after")
     def _source(self):
+        if self.init == "checkpoint" and self.path is None:
+            raise ValueError(NO_MODEL)
         if self.init == "random" and self.config is None:
             raise ValueError("init: random needs config (a preset name or an inline config.json mapping)")
+        if self.init == "random" and self.path is not None:
+            raise ValueError("path is for init: checkpoint; init: random builds the model from config")
         if self.init == "checkpoint" and (self.config is not None or self.architecture is not None):
             raise ValueError("config/architecture are for init: random; a checkpoint brings its own config.json")
         return self
@@ -46,9 +143,9 @@ class GenerationSpec(_Strict):
 
 
 class PromptSpec(_Strict):
-    text: str | None = None
-    ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None  # chat turns, rendered with the checkpoint's chat template
+    text: Annotated[str, Field(min_length=1), BeforeValidator(_encodable)] | None = None
+    ids: list[TokenId] | None = Field(default=None, min_length=1)
+    messages: list[dict[str, Text]] | None = Field(default=None, min_length=1)  # rendered with the chat template
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -59,16 +156,16 @@ class PromptSpec(_Strict):
 
 
 class Recipe(_Strict):
-    model: ModelSpec = ModelSpec()
+    model: ModelSpec = Field(default={}, validate_default=True)  # required: {} fails, saying what to give
     policy: dict[str, Any] = Field(default_factory=lambda: {"name": "threshold"})
     generation: GenerationSpec = GenerationSpec()
     prompts: list[PromptSpec] = Field(default_factory=list)
-    prompts_file: str | None = None
+    prompts_file: str | None = Field(default=None, min_length=1)
     batch_size: int = Field(default=8, ge=1)
     compile: bool = False
     cuda_graphs: bool = True                        # on CUDA: capture the step per batch-size bucket
     buckets: list[int] | None = None                # batch-size buckets (default: powers of two up to batch_size)
-    output: str | None = "results.jsonl"
+    output: str | None = Field(default="results.jsonl", min_length=1)
     base_dir: str = Field(default=".", exclude=True)  # where relative paths in the recipe resolve
 
     @model_validator(mode="after")
@@ -89,9 +186,8 @@ class Recipe(_Strict):
         prompts = list(self.prompts)
         if self.prompts_file is not None:
             file = self.resolve(self.prompts_file)
-            if not file.exists():
-                raise UserError(f"prompts_file: {file} not found")
-            for n, line in enumerate(file.read_text().splitlines(), 1):
+            given = len(prompts)
+            for n, line in enumerate(read_text(file, "prompts_file").split("\n"), 1):  # JSON strings may hold U+2028
                 if not line.strip():
                     continue
                 try:
@@ -99,17 +195,24 @@ class Recipe(_Strict):
                 except json.JSONDecodeError as e:
                     raise UserError(f"{file}:{n}: malformed JSON ({e.msg})") from None
                 except ValidationError as e:
-                    raise UserError(f"{file}:{n}: {_first_error(e)}") from None
+                    raise UserError(f"{file}:{n}: {first_error(e)}") from None
+            if len(prompts) == given:
+                raise UserError(f"{file}: prompts_file holds no prompts (one JSON object a line)")
         return prompts
 
 
-def _first_error(e: ValidationError) -> str:
+def first_error(e: ValidationError) -> str:
+    """A pydantic error as one line: the dotted key, the message and the value given (shortened)."""
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     got = err.get("input")
-    shown = f" (got {got!r})" if err["type"] != "missing" and not isinstance(got, (dict, list)) else ""
+    shown = f" (got {_short(repr(got))})" if err["type"] != "missing" and not isinstance(got, (dict, list)) else ""
     return f"{loc}: {msg}{shown}" if loc else msg
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def set_path(data: dict, dotted: str, value: Any) -> None:
@@ -129,7 +232,7 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected key.path=value")
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        out.append((key.strip(), parse_yaml(raw, f"--set {item}")))
     return out
 
 
@@ -142,17 +245,12 @@ def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = N
     if isinstance(source, cls):
         data, base = source.model_dump(exclude_unset=True), source.base_dir
     elif isinstance(source, dict):
-        data = dict(source)
-        base = data.pop("base_dir", ".")
+        data = copy.deepcopy(source)  # --set overrides must not change the caller's mapping
+        base = str(data.pop("base_dir", "."))
     else:
         path = Path(source)
         name, base = str(path), str(path.parent)
-        if not path.exists():
-            raise UserError(f"{path}: {kind} not found")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise UserError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from None
+        data = parse_yaml(read_text(path, kind, MAX_RECIPE_BYTES), str(path))
         if not isinstance(data, dict):
             raise UserError(f"{path}: a {kind} is a YAML mapping")
     for key, value in parse_overrides(overrides or []):
@@ -160,7 +258,7 @@ def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = N
     try:
         return cls.model_validate({**data, "base_dir": base})
     except ValidationError as e:
-        raise UserError(f"{name}: {_first_error(e)}") from None
+        raise UserError(f"{name}: {first_error(e)}") from None
     except UserError as e:
         raise UserError(f"{name}: {e}") from None
 

@@ -1,7 +1,6 @@
 """Run a recipe end to end: load the model, encode prompts, decode, write results and a summary."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from compiledllm.engine import Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.outputs import ResultSink, check_output
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
 
@@ -40,7 +40,7 @@ def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
                             f"{model.config.architecture!r}")
         return model
     return load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
-                      eos_token_id=m.eos_token_id)
+                      eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported)
 
 
 def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:
@@ -67,52 +67,88 @@ def result_record(res: GenerationResult) -> dict:
     return rec
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: `kept` results were kept in `path` (None: no output file)."""
+
+    def __init__(self, kept: int, path: Path | None):
+        super().__init__(kept, path)
+        self.kept, self.path = kept, path
+
+
+def run_inputs(recipe: Recipe, recipe_path: Path | None = None) -> list[Path]:
+    """The files a run reads, which its output must not be."""
+    found = [recipe_path] if recipe_path is not None else []
+    if recipe.prompts_file is not None:
+        found.append(recipe.resolve(recipe.prompts_file))
+    if recipe.model.init == "checkpoint" and Path(recipe.model.path).exists():
+        found.append(Path(recipe.model.path))
+    return found
+
+
 def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
             on_result: Callable[[GenerationResult], None] | None = None,
-            output: Path | None = None) -> tuple[list[GenerationResult], Summary]:
+            output: Path | None = None, inputs: list[Path] = ()) -> tuple[list[GenerationResult], Summary]:
+    """Run a recipe. With `output`, results are written as each request ends to a temporary file that replaces
+    `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
+    previous files as they were (outputs.py)."""
+    if output is not None:
+        check_output(output, [*inputs, *run_inputs(recipe)])
+    specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     t0 = time.perf_counter()
-    m = recipe.model
-    model = load_from_spec(m)
+    model = load_from_spec(recipe.model)
     load_s = time.perf_counter() - t0
-    prompts = encode_prompts(model, recipe.load_prompts())
+    prompts = encode_prompts(model, specs)
     engine = Engine.from_recipe(model, recipe)
+    engine.validate(prompts)
+    engine.capacity_for(prompts)
     if on_start is not None:
         on_start(len(prompts))
-    sink = None
-    if output is not None:
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            sink = output.open("w")
-        except OSError as e:
-            raise UserError(f"output: cannot write {output} ({e.strerror})") from None
-    try:
-        def record(res: GenerationResult) -> None:
-            if sink is not None:  # written as each request ends, so an interrupted run keeps what finished
-                sink.write(json.dumps(result_record(res)) + "\n")
-                sink.flush()
-            if on_result is not None:
-                on_result(res)
+    sink = ResultSink(output) if output is not None else None
+    done: list[GenerationResult] = []
 
-        t1 = time.perf_counter()
-        results = engine.generate(prompts, on_result=record)
-        wall = time.perf_counter() - t1 - engine.startup_s
-    finally:
+    def record(res: GenerationResult) -> None:
+        done.append(res)
         if sink is not None:
-            sink.close()
+            sink.write(result_record(res))
+        if on_result is not None:
+            on_result(res)
+
+    t1 = time.perf_counter()
+    try:
+        results = engine.generate(prompts, on_result=record)
+    except KeyboardInterrupt:
+        kept = None
+        if sink is not None:
+            summary = make_summary(recipe, model, done, time.perf_counter() - t1 - engine.startup_s, load_s,
+                                   engine.startup_s)
+            kept = sink.keep_partial(asdict(summary) | {"interrupted": True, "prompts_given": len(prompts)})
+        raise RunInterrupted(len(done), kept) from None
+    except BaseException:
+        if sink is not None:
+            sink.discard()
+        raise
+    summary = make_summary(recipe, model, results, time.perf_counter() - t1 - engine.startup_s, load_s,
+                           engine.startup_s)
+    if sink is not None:
+        sink.commit(asdict(summary))
+    return results, summary
+
+
+def make_summary(recipe: Recipe, model, results: list[GenerationResult], wall: float, load_s: float,
+                 startup_s: float) -> Summary:
     tokens = sum(len(r.output_ids) for r in results)
     forwards = sum(r.steps for r in results)
-    summary = Summary(model=m.name, policy=policy_name(recipe.policy_config()), device=str(model.device),
-                      prompts=len(results), tokens=tokens, forwards=forwards,
-                      tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
-                      load_s=load_s, startup_s=engine.startup_s, compile=recipe.compile)
-    return results, summary
+    return Summary(model=recipe.model.name, policy=policy_name(recipe.policy_config()), device=str(model.device),
+                   prompts=len(results), tokens=tokens, forwards=forwards,
+                   tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
+                   load_s=load_s, startup_s=startup_s, compile=recipe.compile)
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | None = None) -> list[GenerationResult]:
     """Run a recipe (path, mapping or Recipe); one result per prompt, in prompt order. Writes no files."""
+    if overrides is not None and (not isinstance(overrides, (list, tuple))
+                                  or not all(isinstance(o, str) for o in overrides)):
+        raise UserError(f"overrides: a list of 'key.path=value' strings, got {overrides!r}")
     results, _ = execute(load_recipe(recipe, overrides))
     return results
 
-
-def summary_dict(summary: Summary) -> dict:
-    return asdict(summary)

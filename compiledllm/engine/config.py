@@ -7,6 +7,11 @@ from compiledllm.errors import UserError
 from compiledllm.policies import PolicyConfig, policy_config
 
 
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name}: an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     policy: PolicyConfig                # a dict of policy parameters is accepted and validated
@@ -18,13 +23,22 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, (dict, PolicyConfig)):
+            raise UserError(f"policy: a mapping such as {{'name': 'threshold'}} or a PolicyConfig, got {self.policy!r}")
         object.__setattr__(self, "policy", policy_config(self.policy))
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        _positive_int("batch_size", self.batch_size)
+        if self.max_seq_len is not None:
+            _positive_int("max_seq_len", self.max_seq_len)
+        for name in ("compile", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:
+            if isinstance(self.buckets, (str, bytes)) or not hasattr(self.buckets, "__iter__"):
+                raise UserError(f"buckets: a list of batch sizes, got {self.buckets!r}")
             object.__setattr__(self, "buckets", tuple(self.buckets))
-        if self.max_new_tokens < 1:
-            raise UserError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.batch_size < 1:
-            raise UserError(f"batch_size must be >= 1, got {self.batch_size}")
+            for b in self.buckets:
+                _positive_int("buckets", b)
 
     @classmethod
     def from_recipe(cls, recipe) -> "EngineConfig":

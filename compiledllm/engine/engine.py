@@ -7,6 +7,7 @@ invariance, for a given KV capacity).
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,10 +89,25 @@ class Engine:
         return cap
 
     def validate(self, prompts: list[list[int]]) -> None:
+        """Prompts are a non-empty list of non-empty token-id lists (ints inside the vocabulary)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise UserError(f"prompts: a list of token-id lists, got {type(prompts).__name__}"
+                            + (" (call .tolist() on a tensor)" if isinstance(prompts, torch.Tensor) else ""))
+        if not prompts:
+            raise UserError("prompts: the list is empty")
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                raise UserError(f"prompt {i}: text; generate() takes token ids (model.tokenizer.encode, or a "
+                                "recipe's text prompts)")
+            if not isinstance(p, (list, tuple)):
+                raise UserError(f"prompt {i}: a list of token ids, got {type(p).__name__} (prompts is a list of "
+                                "lists: [[1, 2, 3]], not [1, 2, 3])")
             if not p:
                 raise UserError(f"prompt {i}: empty")
+            bad = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise UserError(f"prompt {i}: token id {bad[0]!r} is not an integer")
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise UserError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -114,6 +130,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
                  ) -> list[GenerationResult]:
         self.validate(prompts)
+        prompts = [[int(t) for t in p] for p in prompts]
         slots = min(self.config.batch_size, len(prompts))
         if self.static:  # run on exported bucket sizes only
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))

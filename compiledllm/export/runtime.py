@@ -1,8 +1,12 @@
 """Running an exported engine: its metadata, the load probe, and ExportedModel - a model kind of its own with
-fixed shapes (`static_shapes`) that runs the packaged forwards in place of a live BlockDiffusionLM."""
+fixed shapes (`static_shapes`) that runs the packaged forwards in place of a live BlockDiffusionLM.
+
+An AOTInductor package is a shared library that runs in this process: loading one is a trust decision the caller
+makes (loader.load_model's trust_exported). Before any package is loaded, `read_meta` checks the whole metadata
+file: every key present with its type, the config consistent with distinct MASK / EOS ids, positive shapes, one
+package per bucket, each a regular file inside the export directory once links are resolved."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -14,12 +18,14 @@ import torch
 from compiledllm.attention.spec import BlockCausal, Bidirectional
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
-from compiledllm.models.config import ConfigFacts, ModelConfig, MoEConfig
+from compiledllm.loader import parse_device, parse_dtype
+from compiledllm.models.config import ConfigFacts, InvalidConfig, ModelConfig, check_int, read_json, show
 from compiledllm.policies.plan import Forward
-from compiledllm.tokenizer import TextTokenizer
+from compiledllm.tokenizer import TextTokenizer, one_line
 
 EXPORT_FILE = "compiledllm_export.json"
 FORMAT = 2  # 2: KV caches with the spare position (kv/cache.py), bidirectional forwards take lengths
+META_KEYS = ("format", "torch", "config", "dtype", "device", "block_size", "capacity", "buckets", "files")
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,78 @@ class StaticShapes:
     buckets: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ExportMeta:
+    """compiledllm_export.json, checked: what ExportedModel loads."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    shapes: StaticShapes
+    files: dict[int, Path]  # bucket -> its package
+
+
 def is_exported(path) -> bool:
     return isinstance(path, (str, Path)) and (Path(path) / EXPORT_FILE).exists()
+
+
+def meta_config(file: Path, data) -> ModelConfig:
+    try:
+        config = ModelConfig.from_dict(data)
+    except InvalidConfig as e:
+        raise UserError(f"{file}: config: {e}") from None
+    mask, eos = config.mask_token_id, config.eos_token_id
+    if not all(isinstance(i, int) and i < config.vocab_size for i in (mask, eos)) or mask == eos:
+        raise UserError(f"{file}: config: mask_token_id {show(mask)} and eos_token_id {show(eos)} must be two "
+                        f"different ids in [0, {config.vocab_size})")
+    return config
+
+
+def package_file(path: Path, file: Path, bucket: str, name) -> Path:
+    """files[bucket]: a package file inside the export directory (no absolute name, `..` or link out of it)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise UserError(f"{file}: files[{bucket!r}] must be a file name inside {path}, got {show(name)}")
+    package = path / name
+    try:
+        inside = package.resolve().is_relative_to(path.resolve())
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+        inside = False
+    if not inside:
+        raise UserError(f"{file}: files[{bucket!r}] = {name!r} lies outside the export directory {path}")
+    if not package.is_file():
+        raise UserError(f"{file}: files[{bucket!r}] = {name!r} is not a file in {path}")
+    return package
+
+
+def read_meta(path: Path) -> ExportMeta:
+    """compiledllm_export.json, every key checked; nothing here loads a package."""
+    file = path / EXPORT_FILE
+    meta = read_json(file)
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{file}: export format {meta.get('format')!r}, this compiledllm reads {FORMAT} "
+                        "(export the recipe again)")
+    missing, unknown = [k for k in META_KEYS if k not in meta], sorted(set(meta) - set(META_KEYS))
+    if missing:
+        raise UserError(f"{file}: missing key {missing[0]!r}")
+    if unknown:
+        raise UserError(f"{file}: unknown key {unknown[0]!r}")
+    if not isinstance(meta["torch"], str):
+        raise UserError(f"{file}: torch must be a version string, got {show(meta['torch'])}")
+    try:
+        block, capacity = check_int("block_size", meta["block_size"]), check_int("capacity", meta["capacity"])
+        buckets = meta["buckets"]
+        if not isinstance(buckets, list) or not buckets:
+            raise InvalidConfig(f"{{buckets}} must be a non-empty list of batch sizes, got {show(buckets)}")
+        buckets = tuple(sorted({check_int("buckets", b) for b in buckets}))
+    except InvalidConfig as e:
+        raise UserError(f"{file}: {e}") from None
+    files = meta["files"]
+    if not isinstance(files, dict) or set(files) != {str(b) for b in buckets}:
+        raise UserError(f"{file}: files must map each bucket of {list(buckets)} to its package, got {show(files)}")
+    return ExportMeta(config=meta_config(file, meta["config"]), dtype=parse_dtype(meta["dtype"], f"{file}: dtype"),
+                      device=parse_device(meta["device"], f"{file}: device"),
+                      shapes=StaticShapes(block, capacity, buckets),
+                      files={b: package_file(path, file, str(b), files[str(b)]) for b in buckets})
 
 
 # run in a child process before a CUDA package is loaded here (see probe_load)
@@ -61,17 +137,15 @@ class ExportedModel(ConfigFacts):
     single-window policies: a block-causal forward of one block against the cache (prefill chunks one block at a
     time), or a bidirectional model's whole sequence."""
 
-    def __init__(self, path: Path, meta: dict, device: str):
-        cfg = dict(meta["config"])
-        moe = cfg.pop("moe")
-        self.config = ModelConfig(**cfg, moe=MoEConfig(**moe) if moe else None)
-        self.static_shapes = StaticShapes(meta["block_size"], meta["capacity"], tuple(meta["buckets"]))
-        self.dtype = getattr(torch, meta["dtype"])
-        self.device = torch.device(device)
+    def __init__(self, path: Path, meta: ExportMeta):
+        self.config = meta.config
+        self.static_shapes = meta.shapes
+        self.dtype = meta.dtype
+        self.device = meta.device
         self.tokenizer = TextTokenizer.from_dir(path)
         if self.device.type == "cuda":
-            probe_load(path / meta["files"][str(meta["buckets"][0])])
-        self.runners = {int(b): torch._inductor.aoti_load_package(str(path / f)) for b, f in meta["files"].items()}
+            probe_load(meta.files[meta.shapes.buckets[0]])
+        self.runners = {b: load_package(f) for b, f in meta.files.items()}
 
     def _runner(self, batch: int):
         if batch not in self.runners:
@@ -107,15 +181,18 @@ def same_device(asked: torch.device, exported: torch.device) -> bool:
     return asked.type == exported.type and (asked.index is None or asked.index == exported.index)
 
 
-def load_exported(path, device: str | None = None) -> ExportedModel:
-    path = Path(path)
+def load_package(package: Path):
     try:
-        meta = json.loads((path / EXPORT_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path / EXPORT_FILE}: malformed JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{path / EXPORT_FILE}: export format {meta.get('format')!r}, this compiledllm reads {FORMAT} "
-                        "(export the recipe again)")
-    if device is not None and not same_device(torch.device(device), torch.device(meta["device"])):
-        raise UserError(f"{path}: exported for {meta['device']}, the recipe asks for {device}")
-    return ExportedModel(path, meta, meta["device"])
+        return torch._inductor.aoti_load_package(str(package))
+    except Exception as e:  # a damaged archive; torch raises RuntimeError and others
+        raise UserError(f"{package}: the exported package does not load ({one_line(e)})") from None
+
+
+def load_exported(path, device: str | torch.device | None = None) -> ExportedModel:
+    """The exported engine in `path` (on `device`, which must be the one it was exported for). This loads and runs
+    native code: the caller has decided to trust the export (loader.load_model asks for trust_exported=True)."""
+    path = Path(path)
+    meta = read_meta(path)
+    if device is not None and not same_device(parse_device(device), meta.device):
+        raise UserError(f"{path}: exported for {meta.device}, the recipe asks for {device}")
+    return ExportedModel(path, meta)

@@ -3,23 +3,32 @@ from __future__ import annotations
 
 from compiledllm.models import weights
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.models.config import ModelConfig
+from compiledllm.models.config import InvalidConfig, ModelConfig, get_bool, get_float, get_int
 
 ARCHITECTURES = ("LLaDAModelLM",)
 MODEL_TYPES = ("llada",)
 DEFAULTS = {"mask_token_id": 126336, "eos_token_id": 126081, "block_size": 32}
+# how config.json spells ModelConfig's fields (error messages)
+KEYS = {"vocab_size": "embedding_size (or vocab_size)", "hidden_size": "d_model", "num_layers": "n_layers",
+        "num_heads": "n_heads", "num_kv_heads": "n_kv_heads", "head_dim": "head_dim (d_model / n_heads)",
+        "rotary_dim": "head_dim (d_model / n_heads)", "intermediate_size": "mlp_hidden_size",
+        "rms_eps": "rms_norm_eps", "max_position_embeddings": "max_sequence_length",
+        "tie_word_embeddings": "weight_tying"}
 
 
 def parse_config(c: dict) -> ModelConfig:
-    hd = c["d_model"] // c["n_heads"]
+    d, heads = get_int(c, "d_model"), get_int(c, "n_heads")
+    if d % heads:  # LLaDA derives the head width: the heads must split d_model exactly
+        raise InvalidConfig(f"{{d_model}}={d} is not a multiple of {{n_heads}}={heads}")
+    hd = d // heads
     return ModelConfig(
         architecture="llada",
-        vocab_size=c.get("embedding_size") or c["vocab_size"], hidden_size=c["d_model"], num_layers=c["n_layers"],
-        num_heads=c["n_heads"], num_kv_heads=c.get("n_kv_heads") or c["n_heads"], head_dim=hd,
-        intermediate_size=c.get("mlp_hidden_size") or c["d_model"] * c.get("mlp_ratio", 4),
-        rope_theta=float(c.get("rope_theta", 500000.0)), rotary_dim=hd, rms_eps=c.get("rms_norm_eps", 1e-5),
-        qk_norm=False, tie_word_embeddings=c.get("weight_tying", False), bidirectional=True,
-        max_position_embeddings=c.get("max_sequence_length", 4096), default_block_size=DEFAULTS["block_size"],
+        vocab_size=get_int(c, "embedding_size", None) or get_int(c, "vocab_size"), hidden_size=d,
+        num_layers=get_int(c, "n_layers"), num_heads=heads, num_kv_heads=get_int(c, "n_kv_heads", heads),
+        head_dim=hd, intermediate_size=get_int(c, "mlp_hidden_size", None) or d * get_int(c, "mlp_ratio", 4),
+        rope_theta=get_float(c, "rope_theta", 500000.0), rotary_dim=hd, rms_eps=get_float(c, "rms_norm_eps", 1e-5),
+        qk_norm=False, tie_word_embeddings=get_bool(c, "weight_tying", False), bidirectional=True,
+        max_position_embeddings=get_int(c, "max_sequence_length", 4096), default_block_size=DEFAULTS["block_size"],
         mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
     )
 

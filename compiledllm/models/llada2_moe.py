@@ -3,24 +3,33 @@ from __future__ import annotations
 
 from compiledllm.models import weights
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.models.config import ModelConfig, MoEConfig, hf_decoder_fields
+from compiledllm.models.config import (HF_DECODER_KEYS, InvalidConfig, ModelConfig, MoEConfig, get_bool, get_float,
+                                       get_int, hf_decoder_fields)
 from compiledllm.models.layers import MoE
 
 ARCHITECTURES = ("LLaDA2MoeModelLM",)
 MODEL_TYPES = ("llada2_moe",)
 DEFAULTS = {"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32}
+# how config.json spells ModelConfig's and MoEConfig's fields (error messages)
+KEYS = {**HF_DECODER_KEYS, "rotary_dim": "rotary_dim (head_dim * partial_rotary_factor)",
+        "top_k": "num_experts_per_tok", "first_dense_layers": "first_k_dense_replace"}
 
 
 def parse_config(c: dict) -> ModelConfig:
     fields = hf_decoder_fields(c, rope_theta=600000.0, block_size=DEFAULTS["block_size"])
+    rotary = get_float(c, "partial_rotary_factor", 0.5)
+    if rotary > 1:
+        raise InvalidConfig(f"{{partial_rotary_factor}} must be in (0, 1], got {rotary:g}")
     return ModelConfig(
-        architecture="llada2_moe", rotary_dim=int(fields["head_dim"] * c.get("partial_rotary_factor", 0.5)),
-        qk_norm=c.get("use_qk_norm", True), **fields,
+        architecture="llada2_moe", rotary_dim=int(fields["head_dim"] * rotary),
+        qk_norm=get_bool(c, "use_qk_norm", True), **fields,
         moe=MoEConfig(
-            num_experts=c["num_experts"], top_k=c["num_experts_per_tok"], expert_dim=c["moe_intermediate_size"],
-            num_shared=c.get("num_shared_experts") or 0, n_group=c.get("n_group") or 1,
-            topk_group=c.get("topk_group") or 1, routed_scaling=c.get("routed_scaling_factor", 1.0),
-            norm_topk_prob=c.get("norm_topk_prob", True), first_dense_layers=c.get("first_k_dense_replace", 0),
+            num_experts=get_int(c, "num_experts"), top_k=get_int(c, "num_experts_per_tok"),
+            expert_dim=get_int(c, "moe_intermediate_size"), num_shared=get_int(c, "num_shared_experts", 0, minimum=0),
+            n_group=get_int(c, "n_group", 1), topk_group=get_int(c, "topk_group", 1),
+            routed_scaling=get_float(c, "routed_scaling_factor", 1.0),
+            norm_topk_prob=get_bool(c, "norm_topk_prob", True),
+            first_dense_layers=get_int(c, "first_k_dense_replace", 0, minimum=0),
         ),
     )
 

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from compiledllm.models import weights
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.models.config import ModelConfig, hf_decoder_fields
+from compiledllm.models.config import HF_DECODER_KEYS, ModelConfig, get_int, hf_decoder_fields
 
 ARCHITECTURES = ("SDARForCausalLM",)
 MODEL_TYPES = ("sdar",)
 DEFAULTS = {"mask_token_id": 151669, "eos_token_id": 151645, "block_size": 4}
+KEYS = {**HF_DECODER_KEYS, "rotary_dim": "head_dim"}  # how config.json spells ModelConfig's fields (error messages)
 
 
 def parse_config(c: dict) -> ModelConfig:
     # the -b8 ... -b64 variants state their block in config.json where they do; else SDAR's 4
-    fields = hf_decoder_fields(c, rope_theta=1e6, block_size=int(c.get("block_size") or DEFAULTS["block_size"]))
+    fields = hf_decoder_fields(c, rope_theta=1e6, block_size=get_int(c, "block_size", DEFAULTS["block_size"]))
     return ModelConfig(architecture="sdar", rotary_dim=fields["head_dim"], qk_norm=True, **fields)
 
 

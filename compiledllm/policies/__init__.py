@@ -6,8 +6,11 @@ package, with `register_policy`): the engine runs any policy's plans without cha
 from __future__ import annotations
 
 from dataclasses import fields
+from functools import cache
+from typing import get_type_hints
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
@@ -37,7 +40,7 @@ def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
         return params
     params = dict(params)
     name = params.pop("name", None)
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise UserError(f"policy.name: {name!r} is not one of {', '.join(POLICIES)}")
     cls = POLICIES[name][0]
     allowed = {f.name for f in fields(cls)}
@@ -45,9 +48,19 @@ def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
     if unknown:
         raise UserError(f"policy.{unknown[0]}: unknown parameter for policy {name} (allowed: {', '.join(sorted(allowed))})")
     try:
-        return TypeAdapter(cls).validate_python(params)
+        _strict_params(cls).validate_python(params)  # the types, strictly: no bool for a number, no float for an int
+        return TypeAdapter(cls).validate_python(params)  # builds the config; its __post_init__ checks the ranges
     except ValidationError as e:
         raise UserError(_validation_message(e)) from None
+
+
+@cache
+def _strict_params(cls: type[PolicyConfig]) -> TypeAdapter:
+    """The config's fields as a strict TypedDict (pydantic's strict mode would also want a config instance, not a
+    mapping): booleans only true/false, integers not floats or bools, floats any int or float but not a bool."""
+    hints = get_type_hints(cls)
+    params = TypedDict(f"{cls.__name__}Params", {f.name: hints[f.name] for f in fields(cls)}, total=False)
+    return TypeAdapter(with_config(ConfigDict(strict=True))(params))
 
 
 def _validation_message(e: ValidationError) -> str:

@@ -84,7 +84,7 @@ def test_text_tasks_and_reference_by_index(tmp_path):
     ({"batch_size": 0}, "batch_size"),
 ])
 def test_bad_eval_recipes(change, message):
-    base = {"tasks": ["x.jsonl"], "policies": [{"name": "threshold"}]}
+    base = {"model": {"path": "tiny-llada2-random"}, "tasks": ["x.jsonl"], "policies": [{"name": "threshold"}]}
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_eval_recipe({**base, **change})
 

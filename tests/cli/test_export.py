@@ -34,7 +34,9 @@ def test_exported_engine_matches_eager(tmp_path, device):
     meta = json.loads((tmp_path / "exp" / "compiledllm_export.json").read_text())
     assert meta["buckets"] == [1] and meta["capacity"] == 32 and meta["block_size"] == 4
     assert runner.invoke(app, ["run", str(path)]).exit_code == 0
-    res = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp_path / 'exp'}",
+    untrusted = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp_path / 'exp'}"])
+    assert untrusted.exit_code == 2 and "trust" in untrusted.output  # an exported engine runs native code
+    res = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp_path / 'exp'}", "--trust-exported",
                               "--set", f"output={tmp_path / 'aoti.jsonl'}"])
     if device == "cuda" and res.exit_code == 2 and "crashes" in res.output:  # torch's loader, not this package
         pytest.xfail(" ".join(res.output.split()))
@@ -57,7 +59,8 @@ def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
     except ImportError:
         pass
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"prompts": [{"ids": [1, 2]}], "generation": {"max_new_tokens": 4}}))
+    path.write_text(yaml.safe_dump({"model": {"path": "tiny-llada2-random"}, "prompts": [{"ids": [1, 2]}],
+                                    "generation": {"max_new_tokens": 4}}))
     res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "x"), "--backend", "tensorrt"])
     assert res.exit_code == 2 and "torch_tensorrt" in res.output and "Traceback" not in res.output
 

@@ -110,7 +110,8 @@ def test_memory_check_counts_each_tier_on_its_device():
 
 def test_one_constructor_from_a_recipe(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"policy": {"name": "t2t", "block_size": 4}, "generation": {"max_new_tokens": 5},
+    path.write_text(yaml.safe_dump({"model": {"path": "tiny-llada2-random"},
+                                    "policy": {"name": "t2t", "block_size": 4}, "generation": {"max_new_tokens": 5},
                                     "batch_size": 3, "buckets": [1, 3], "prompts": [{"ids": [2, 3]}]}))
     recipe = load_recipe(path)
     model = compiledllm.load_model("tiny-llada2-random")

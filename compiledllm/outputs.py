@@ -1,0 +1,119 @@
+"""Output files that survive failed, interrupted and concurrent runs (README "What is never overwritten").
+
+* `check_output` refuses, before any work, an output that is a directory, an input of the same run (the recipe,
+  its prompts file, the model directory), or whose summary path is a directory.
+* `ResultSink` writes results to a temporary file beside the target and renames it (and its summary, written with
+  it) into place only when the run ends, so a failed run leaves the previous results and summary as they were. An
+  interrupted run keeps what finished as `<stem>.partial<suffix>` (with its summary) and says so. An exclusive lock
+  on `.<target>.lock` (flock: released by the kernel when the process dies; the empty file stays, since deleting it
+  could let two runs lock different files) makes a second run on the same output a one-line error instead of two
+  runs interleaving.
+* `write_atomic` writes a whole file (an eval report, a profile) the same way.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from compiledllm.errors import UserError
+
+
+def summary_path(output: Path) -> Path:
+    return output.with_suffix(".summary.json")
+
+
+def partial_path(output: Path) -> Path:
+    return output.with_name(f"{output.stem}.partial{output.suffix}")
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_output(output: Path, inputs: list[Path], what: str = "output") -> None:
+    """One-line errors for an output that cannot be written without losing something."""
+    for path in (output, summary_path(output)):
+        if path.is_dir():
+            raise UserError(f"{what}: {path} is a directory; name a file")
+    for inp in inputs:
+        if _same(output, inp) or _same(summary_path(output), inp):
+            raise UserError(f"{what}: {output} is also an input of this run ({inp}); name another file")
+        if inp.is_dir() and output.exists() and inp.resolve() in output.resolve().parents:
+            raise UserError(f"{what}: {output} is a file of the model directory {inp}; name another file")
+    if output.parent.exists() and not output.parent.is_dir():
+        raise UserError(f"{what}: {output.parent} is not a directory")
+
+
+def _write_text(path: Path, text: str, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"{what}: cannot write {path} ({e.strerror})") from None
+
+
+def write_atomic(path: Path, text: str, what: str = "output") -> None:
+    """The whole file, via a temporary file renamed into place (never a half-written file under `path`)."""
+    if path.is_dir():
+        raise UserError(f"{what}: {path} is a directory; name a file")
+    _write_text(path, text, what)
+
+
+class ResultSink:
+    """JSON lines into a temporary file, committed (with the summary) by rename; see the module docstring."""
+
+    def __init__(self, output: Path):
+        self.output = output
+        self.count = 0
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = open(output.with_name(f".{output.name}.lock"), "w")
+        except OSError as e:
+            raise UserError(f"output: cannot write {output} ({e.strerror})") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise UserError(f"output: {output} is being written by another run (it holds .{output.name}.lock); "
+                            "wait for it or name another output") from None
+        self._tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+        self._file = open(self._tmp, "w")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # an interrupted run keeps every line that finished
+        self.count += 1
+
+    def commit(self, summary: dict) -> Path:
+        """Results and summary into place; returns the results path."""
+        self._file.close()
+        _write_text(summary_path(self.output), json.dumps(summary, indent=2) + "\n", "output")
+        os.replace(self._tmp, self.output)
+        self._release()
+        return self.output
+
+    def keep_partial(self, summary: dict) -> Path:
+        """After an interruption: what finished, under <stem>.partial<suffix> (the previous results untouched)."""
+        self._file.close()
+        kept = partial_path(self.output)
+        _write_text(summary_path(kept), json.dumps(summary, indent=2) + "\n", "output")
+        os.replace(self._tmp, kept)
+        self._release()
+        return kept
+
+    def discard(self) -> None:
+        """After a failure: nothing of this run is left; the previous results stay as they were."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()

@@ -1,0 +1,143 @@
+"""Output files survive failed, interrupted and concurrent runs (README: what is never overwritten)."""
+from __future__ import annotations
+
+import fcntl
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from compiledllm.cli import app
+from compiledllm.engine.engine import Engine
+
+runner = CliRunner()
+
+
+def recipe(tmp_path, **sections):
+    data = {"model": {"path": "tiny-llada2-random"}, "policy": {"name": "threshold", "block_size": 8},
+            "generation": {"max_new_tokens": 8}, "prompts": [{"ids": [3, 4, 5]}, {"ids": [6, 7]}], "batch_size": 1,
+            "output": str(tmp_path / "out.jsonl")} | sections
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def one_line_error(res, *needles):
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in res.output, (n, res.output)
+
+
+@pytest.fixture
+def previous(tmp_path):
+    """A finished run's files, to check that later runs leave them as they were."""
+    assert runner.invoke(app, ["run", str(recipe(tmp_path))]).exit_code == 0
+    files = {p: p.read_bytes() for p in (tmp_path / "out.jsonl", tmp_path / "out.summary.json")}
+    assert len(files[tmp_path / "out.jsonl"].splitlines()) == 2
+    return files
+
+
+def unchanged(files):
+    return all(p.read_bytes() == b for p, b in files.items())
+
+
+def test_a_run_writes_results_and_summary_together_and_leaves_no_temporaries(tmp_path, previous):
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["prompts"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.jsonl.lock", "out.jsonl", "out.summary.json", "r.yaml"]
+
+
+def test_a_rerun_that_fails_validation_keeps_the_previous_results(tmp_path, previous):
+    res = runner.invoke(app, ["run", str(recipe(tmp_path, prompts=[{"ids": [10**9]}]))])
+    one_line_error(res, "outside the vocabulary")
+    assert unchanged(previous)
+
+
+def test_a_run_that_fails_mid_way_keeps_the_previous_results(tmp_path, previous, monkeypatch):
+    real = Engine.generate
+
+    def failing(self, prompts, on_result=None):
+        def cb(r):
+            on_result(r)
+            raise RuntimeError("device lost")
+        return real(self, prompts, on_result=cb)
+
+    monkeypatch.setattr(Engine, "generate", failing)
+    res = runner.invoke(app, ["run", str(recipe(tmp_path))])
+    assert res.exit_code != 0 and isinstance(res.exception, RuntimeError)
+    assert unchanged(previous)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_keeps_what_finished_under_a_clear_name_and_says_so(tmp_path, previous, monkeypatch):
+    real = Engine.generate
+
+    def interrupted(self, prompts, on_result=None):
+        def cb(r):
+            on_result(r)
+            raise KeyboardInterrupt
+        return real(self, prompts, on_result=cb)
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    res = runner.invoke(app, ["run", str(recipe(tmp_path))])
+    assert res.exit_code == 130, res.output
+    partial = tmp_path / "out.partial.jsonl"
+    assert f"interrupted: kept 1 finished results in {partial}" in " ".join(res.output.split())
+    assert len(partial.read_text().splitlines()) == 1
+    assert json.loads((tmp_path / "out.partial.summary.json").read_text())["interrupted"] is True
+    assert unchanged(previous)
+
+
+@pytest.mark.parametrize("target", ["prompts", "recipe", "summary_is_prompts"])
+def test_an_output_that_is_an_input_of_the_run_is_refused(tmp_path, target):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"ids": [3, 4]}\n')
+    out = {"prompts": prompts, "recipe": tmp_path / "r.yaml", "summary_is_prompts": tmp_path / "p.jsonl"}[target]
+    if target == "summary_is_prompts":
+        prompts = prompts.rename(tmp_path / "x.summary.json")
+        out = tmp_path / "x.jsonl"
+    path = recipe(tmp_path, prompts=[], prompts_file=str(prompts), output=str(out))
+    before = {p: p.read_bytes() for p in (prompts, path)}
+    one_line_error(runner.invoke(app, ["run", str(path)]), "also an input of this run")
+    assert unchanged(before)
+
+
+def test_directories_in_the_way_are_one_line_errors(tmp_path):
+    (tmp_path / "d.jsonl").mkdir()
+    one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "d.jsonl")))]),
+                   "is a directory")
+    (tmp_path / "e.summary.json").mkdir()
+    one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "e.jsonl")))]),
+                   "e.summary.json is a directory")
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path, previous):
+    with open(tmp_path / ".out.jsonl.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `compiledllm run` holds it
+        one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path))]), "being written by another run")
+    assert unchanged(previous)
+    assert runner.invoke(app, ["run", str(recipe(tmp_path))]).exit_code == 0  # released: runs again
+
+
+def test_eval_profile_and_export_check_their_outputs_before_working(tmp_path):
+    task = tmp_path / "t.jsonl"
+    task.write_text('{"prompt_ids": [3, 4], "reference_ids": [5]}\n')
+    ev = tmp_path / "e.yaml"
+    ev.write_text(yaml.safe_dump({"model": {"path": "tiny-llada2-random"}, "tasks": [str(task)],
+                                  "policies": [{"name": "threshold", "block_size": 8}]}))
+    (tmp_path / "dir").mkdir()
+    one_line_error(runner.invoke(app, ["eval", str(ev), "-o", str(tmp_path / "dir")]), "is a directory")
+    one_line_error(runner.invoke(app, ["eval", str(ev), "-o", str(task)]), "also an input")
+    assert task.read_text().startswith('{"prompt_ids"')
+    afile = tmp_path / "a_file"
+    afile.write_text("keep me")
+    one_line_error(runner.invoke(app, ["profile", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
+    one_line_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    one_line_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(tmp_path / "busy")]),
+                   "other files in it")
+    assert afile.read_text() == "keep me" and (tmp_path / "busy" / "notes.txt").read_text() == "mine"
