@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from compiledllm.cli import app
 from checkpoints import EOS_ID, MASK_ID, write_checkpoint, write_tokenizer
+from user_errors import assert_user_error
 
 runner = CliRunner()
 
@@ -32,16 +33,6 @@ def write_recipe(tmp_path: Path, **sections) -> Path:
 
 def run_cli(*args: str):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_user_error(result, *needles: str) -> None:
-    out = result.output.strip()
-    assert result.exit_code == 2, out
-    assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit), out
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), out
-    for n in needles:
-        assert n in out, (n, out)
 
 
 def test_run_writes_results_and_summary(tmp_path):

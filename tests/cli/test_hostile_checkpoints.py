@@ -25,19 +25,10 @@ from compiledllm.errors import UserError
 from compiledllm.export.runtime import EXPORT_FILE, FORMAT
 from compiledllm.loader import parse_device
 from compiledllm.tokenizer import TextTokenizer
+from user_errors import assert_user_error
 
 runner = CliRunner()
 MESSAGES = [{"messages": [{"role": "user", "content": "the fox"}]}]
-
-
-def assert_user_error(result, *needles: str) -> None:
-    out = result.output.strip()
-    assert result.exit_code == 2, out
-    assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit), out
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), out
-    for n in needles:
-        assert n in out, (n, out)
 
 
 def run(tmp_path: Path, model, prompts=({"ids": [3, 4, 5]},)):

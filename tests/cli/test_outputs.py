@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from compiledllm.cli import app
 from compiledllm.engine.engine import Engine
+from user_errors import assert_user_error
 
 runner = CliRunner()
 
@@ -21,14 +22,6 @@ def recipe(tmp_path, **sections):
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def one_line_error(res, *needles):
-    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
-    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.output
-    assert "Traceback" not in res.output
-    for n in needles:
-        assert n in res.output, (n, res.output)
 
 
 @pytest.fixture
@@ -52,7 +45,7 @@ def test_a_run_writes_results_and_summary_together_and_leaves_no_temporaries(tmp
 
 def test_a_rerun_that_fails_validation_keeps_the_previous_results(tmp_path, previous):
     res = runner.invoke(app, ["run", str(recipe(tmp_path, prompts=[{"ids": [10**9]}]))])
-    one_line_error(res, "outside the vocabulary")
+    assert_user_error(res, "outside the vocabulary")
     assert unchanged(previous)
 
 
@@ -101,23 +94,23 @@ def test_an_output_that_is_an_input_of_the_run_is_refused(tmp_path, target):
         out = tmp_path / "x.jsonl"
     path = recipe(tmp_path, prompts=[], prompts_file=str(prompts), output=str(out))
     before = {p: p.read_bytes() for p in (prompts, path)}
-    one_line_error(runner.invoke(app, ["run", str(path)]), "also an input of this run")
+    assert_user_error(runner.invoke(app, ["run", str(path)]), "also an input of this run")
     assert unchanged(before)
 
 
 def test_directories_in_the_way_are_one_line_errors(tmp_path):
     (tmp_path / "d.jsonl").mkdir()
-    one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "d.jsonl")))]),
+    assert_user_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "d.jsonl")))]),
                    "is a directory")
     (tmp_path / "e.summary.json").mkdir()
-    one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "e.jsonl")))]),
+    assert_user_error(runner.invoke(app, ["run", str(recipe(tmp_path, output=str(tmp_path / "e.jsonl")))]),
                    "e.summary.json is a directory")
 
 
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path, previous):
     with open(tmp_path / ".out.jsonl.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `compiledllm run` holds it
-        one_line_error(runner.invoke(app, ["run", str(recipe(tmp_path))]), "being written by another run")
+        assert_user_error(runner.invoke(app, ["run", str(recipe(tmp_path))]), "being written by another run")
     assert unchanged(previous)
     assert runner.invoke(app, ["run", str(recipe(tmp_path))]).exit_code == 0  # released: runs again
 
@@ -129,15 +122,15 @@ def test_eval_profile_and_export_check_their_outputs_before_working(tmp_path):
     ev.write_text(yaml.safe_dump({"model": {"path": "tiny-llada2-random"}, "tasks": [str(task)],
                                   "policies": [{"name": "threshold", "block_size": 8}]}))
     (tmp_path / "dir").mkdir()
-    one_line_error(runner.invoke(app, ["eval", str(ev), "-o", str(tmp_path / "dir")]), "is a directory")
-    one_line_error(runner.invoke(app, ["eval", str(ev), "-o", str(task)]), "also an input")
+    assert_user_error(runner.invoke(app, ["eval", str(ev), "-o", str(tmp_path / "dir")]), "is a directory")
+    assert_user_error(runner.invoke(app, ["eval", str(ev), "-o", str(task)]), "also an input")
     assert task.read_text().startswith('{"prompt_ids"')
     afile = tmp_path / "a_file"
     afile.write_text("keep me")
-    one_line_error(runner.invoke(app, ["profile", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
-    one_line_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
+    assert_user_error(runner.invoke(app, ["profile", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
+    assert_user_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(afile)]), "is a file")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    one_line_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(tmp_path / "busy")]),
+    assert_user_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(tmp_path / "busy")]),
                    "other files in it")
     assert afile.read_text() == "keep me" and (tmp_path / "busy" / "notes.txt").read_text() == "mine"

@@ -15,6 +15,7 @@ from compiledllm.cli import app
 from compiledllm.errors import UserError
 from compiledllm.evaluate import load_eval_recipe, load_tasks
 from compiledllm.recipe import MAX_RECIPE_BYTES, load_recipe
+from user_errors import assert_user_error
 
 runner = CliRunner()
 MODEL = {"path": "tiny-llada2-random"}
@@ -38,16 +39,6 @@ def recipe(tmp_path: Path, drop: tuple[str, ...] = (), **sections) -> Path:
 
 def cli(*args) -> object:
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_user_error(result, *needles: str) -> None:
-    out = result.output.strip()
-    assert result.exit_code == 2, out
-    assert "Traceback" not in out and (result.exception is None or isinstance(result.exception, SystemExit)), out
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), out
-    for n in needles:
-        assert n in out, (n, out)
 
 
 @pytest.fixture
