@@ -171,48 +171,72 @@ def agreement_scores(outputs: list[list[int]], reference_outputs: list[list[int]
     return {"agreement": same / max(total, 1), "agreement_exact": exact / max(len(outputs), 1)}
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C during an evaluation: `report` holds every policy that finished (marked "interrupted")."""
+
+    def __init__(self, report: dict):
+        super().__init__()
+        self.report = report
+
+
 def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
              batch_size: int = 16, reference: int | str | None = None, compile: bool = False,
-             cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None) -> dict:
+             cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None,
+             on_result: Callable[[object], None] | None = None) -> dict:
     """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":
-    {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given)."""
-    from compiledllm.engine import Engine, EngineConfig
-
+    {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given); on Ctrl-C raises
+    EvalInterrupted with the policies that finished (the reference decodes first, so their agreement is known)."""
     labels = policy_labels(policies)
     ref_i = reference_index(reference, labels)
     n_new = max_new_tokens or max(len(t.reference_ids) for t in tasks)
-    prompts = [t.prompt_ids for t in tasks]
-    refs = [t.reference_ids for t in tasks]
     outputs: dict[str, list[list[int]]] = {}
     metrics: dict[str, dict] = {}
     order = [ref_i] + [i for i in range(len(policies)) if i != ref_i]  # the reference decodes first
-    for i in order:
-        label = labels[i]
-        if on_policy is not None:
-            on_policy(label)
-        params = {k: v for k, v in policies[i].items() if k != "label"}
-        engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
-                                            cuda_graphs=cuda_graphs))
-        t0 = time.perf_counter()
-        results = engine.generate(prompts)
-        if model.device.type == "cuda":
-            import torch
+    try:
+        for i in order:
+            _evaluate_policy(model, tasks, policies[i], labels[i], n_new, batch_size, compile, cuda_graphs, outputs,
+                             metrics, on_policy, on_result)
+    except KeyboardInterrupt:
+        raise EvalInterrupted(_report(tasks, n_new, labels, ref_i, outputs, metrics) | {"interrupted": True}) from None
+    return _report(tasks, n_new, labels, ref_i, outputs, metrics)
 
-            torch.cuda.synchronize(model.device)
-        wall = time.perf_counter() - t0 - engine.startup_s  # compile / graph capture is not decoding time
-        outs = [r.output_ids for r in results]
-        tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
-        outputs[label] = outs
-        metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
-                          "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
-                          "tokens_per_s": tokens / max(wall, 1e-9)}
-        stats = [r.extra for r in results if r.extra]
-        if stats:  # the policy's own statistics (Policy.report), summed over the tasks
-            metrics[label]["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
-    for label in labels:
+
+def _report(tasks, n_new, labels, ref_i, outputs, metrics) -> dict:
+    done = [lb for lb in labels if lb in metrics]
+    for label in done:
         metrics[label] |= agreement_scores(outputs[label], outputs[labels[ref_i]])
     return {"tasks": len(tasks), "max_new_tokens": n_new, "reference": labels[ref_i],
-            "policies": {label: metrics[label] for label in labels}, "outputs": {lb: outputs[lb] for lb in labels}}
+            "policies": {lb: metrics[lb] for lb in done}, "outputs": {lb: outputs[lb] for lb in done}}
+
+
+def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cuda_graphs, outputs, metrics,
+                     on_policy, on_result) -> None:
+    """One policy over the tasks: its outputs and metrics (agreement is added once the reference is known)."""
+    from compiledllm.engine import Engine, EngineConfig
+
+    prompts = [t.prompt_ids for t in tasks]
+    refs = [t.reference_ids for t in tasks]
+    if on_policy is not None:
+        on_policy(label)
+    params = {k: v for k, v in policy.items() if k != "label"}
+    engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
+                                        cuda_graphs=cuda_graphs))
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, on_result=on_result)
+    if model.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(model.device)
+    wall = time.perf_counter() - t0 - engine.startup_s  # compile / graph capture is not decoding time
+    outs = [r.output_ids for r in results]
+    tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
+    outputs[label] = outs
+    metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
+                      "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
+                      "tokens_per_s": tokens / max(wall, 1e-9)}
+    stats = [r.extra for r in results if r.extra]
+    if stats:  # the policy's own statistics (Policy.report), summed over the tasks
+        metrics[label]["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
 
 
 def load_eval_recipe(source: str | Path | dict | EvalRecipe, overrides: list[str] | None = None) -> EvalRecipe:
@@ -220,9 +244,13 @@ def load_eval_recipe(source: str | Path | dict | EvalRecipe, overrides: list[str
 
 
 def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None = None,
-             on_progress: Callable[[str], None] | None = None, model=None) -> dict:
-    """Run an eval recipe: load the model, evaluate every task file. Returns the report (JSON-ready);
-    writes nothing. A loaded `model` may be passed to skip loading."""
+             on_progress: Callable[[str], None] | None = None, model=None,
+             on_start: Callable[[int], None] | None = None, on_result: Callable[[object], None] | None = None
+             ) -> dict:
+    """Run an eval recipe: load the model, evaluate every task file. Returns the report (JSON-ready); writes nothing.
+    Every task file is read (and checked) before the first decode; on_start gets the number of task decodes
+    (tasks x policies), on_result is called as each ends. On Ctrl-C raises EvalInterrupted with the report of what
+    finished. A loaded `model` may be passed to skip loading."""
     from compiledllm.runner import load_from_spec
 
     rec = load_eval_recipe(recipe, overrides)
@@ -232,17 +260,28 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
         model = load_from_spec(m)
     report = {"model": m.name, "device": str(model.device), "dtype": m.dtype, "batch_size": rec.batch_size,
               "load_s": time.perf_counter() - t0, "files": {}}
-    for path in rec.tasks:
-        file = rec.resolve(path)
-        tasks = load_tasks(file, model.tokenizer, rec.tokens, rec.limit)
-        res = evaluate(model, tasks, rec.policies, max_new_tokens=rec.max_new_tokens, batch_size=rec.batch_size,
-                       reference=rec.reference, compile=rec.compile, cuda_graphs=rec.cuda_graphs,
-                       on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")))
-        entry = {"path": str(path), **{k: v for k, v in res.items() if k != "outputs"}}
-        if rec.save_outputs:
-            entry["outputs"] = res["outputs"]
-        report["files"][file.name] = entry
+    files = [(path, rec.resolve(path)) for path in rec.tasks]
+    loaded = [load_tasks(file, model.tokenizer, rec.tokens, rec.limit) for _, file in files]
+    if on_start is not None:
+        on_start(sum(len(tasks) for tasks in loaded) * len(rec.policies))
+    for (path, file), tasks in zip(files, loaded):
+        try:
+            res = evaluate(model, tasks, rec.policies, max_new_tokens=rec.max_new_tokens, batch_size=rec.batch_size,
+                           reference=rec.reference, compile=rec.compile, cuda_graphs=rec.cuda_graphs,
+                           on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")),
+                           on_result=on_result)
+        except EvalInterrupted as e:
+            report["files"][file.name] = _entry(path, e.report, rec.save_outputs)
+            raise EvalInterrupted(report | {"interrupted": True}) from None
+        report["files"][file.name] = _entry(path, res, rec.save_outputs)
     return report
+
+
+def _entry(path: str, res: dict, save_outputs: bool) -> dict:
+    entry = {"path": str(path), **{k: v for k, v in res.items() if k != "outputs"}}
+    if save_outputs:
+        entry["outputs"] = res["outputs"]
+    return entry
 
 
 def quality_numbers(report: dict) -> dict:
@@ -251,5 +290,5 @@ def quality_numbers(report: dict) -> dict:
                    for label, met in f["policies"].items()} for name, f in report["files"].items()}
 
 
-__all__ = ["EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
+__all__ = ["EvalInterrupted", "EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
            "continuation_scores", "agreement_scores"]

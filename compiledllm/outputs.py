@@ -2,8 +2,9 @@
 
 * `check_output` refuses, before any work, an output that is a directory, an input of the same run (the recipe,
   its prompts file, the model directory), or whose summary path is a directory.
-* `ResultSink` writes results to a temporary file beside the target and renames it (and its summary, written with
-  it) into place only when the run ends, so a failed run leaves the previous results and summary as they were. An
+* `ResultSink` writes results to a temporary file beside the target as each request ends and renames it (sorted into
+  prompt order, with its summary) into place only when the run ends, so a failed run leaves the previous results
+  and summary as they were. An
   interrupted run keeps what finished as `<stem>.partial<suffix>` (with its summary) and says so. An exclusive lock
   on `.<target>.lock` (flock: released by the kernel when the process dies; the empty file stays, since deleting it
   could let two runs lock different files) makes a second run on the same output a one-line error instead of two
@@ -92,21 +93,23 @@ class ResultSink:
         self.count += 1
 
     def commit(self, summary: dict) -> Path:
-        """Results and summary into place; returns the results path."""
-        self._file.close()
-        _write_text(summary_path(self.output), json.dumps(summary, indent=2) + "\n", "output")
-        os.replace(self._tmp, self.output)
-        self._release()
-        return self.output
+        """Results (in prompt order) and summary into place; returns the results path."""
+        return self._finish(self.output, summary)
 
     def keep_partial(self, summary: dict) -> Path:
         """After an interruption: what finished, under <stem>.partial<suffix> (the previous results untouched)."""
+        return self._finish(partial_path(self.output), summary)
+
+    def _finish(self, path: Path, summary: dict) -> Path:
+        """Lines were written as requests ended (completion order, so nothing finished is lost); the file put in
+        place holds them in prompt order (`index`)."""
         self._file.close()
-        kept = partial_path(self.output)
-        _write_text(summary_path(kept), json.dumps(summary, indent=2) + "\n", "output")
-        os.replace(self._tmp, kept)
+        lines = self._tmp.read_text().splitlines()
+        self._tmp.write_text("".join(line + "\n" for line in sorted(lines, key=lambda s: json.loads(s)["index"])))
+        _write_text(summary_path(path), json.dumps(summary, indent=2) + "\n", "output")
+        os.replace(self._tmp, path)
         self._release()
-        return kept
+        return path
 
     def discard(self) -> None:
         """After a failure: nothing of this run is left; the previous results stay as they were."""

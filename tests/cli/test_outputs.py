@@ -134,3 +134,15 @@ def test_eval_profile_and_export_check_their_outputs_before_working(tmp_path):
     assert_user_error(runner.invoke(app, ["export", str(recipe(tmp_path)), "--out", str(tmp_path / "busy")]),
                    "other files in it")
     assert afile.read_text() == "keep me" and (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+
+
+def test_results_are_in_prompt_order_whatever_order_requests_end_in(tmp_path):
+    from compiledllm.outputs import ResultSink, partial_path
+
+    for finish in ("commit", "keep_partial"):
+        sink = ResultSink(tmp_path / f"{finish}.jsonl")
+        for i in (2, 0, 3, 1):  # completion order
+            sink.write({"index": i})
+        path = getattr(sink, finish)({"prompts": 4})
+        assert path == (tmp_path / f"{finish}.jsonl" if finish == "commit" else partial_path(tmp_path / f"{finish}.jsonl"))
+        assert [json.loads(x)["index"] for x in path.read_text().splitlines()] == [0, 1, 2, 3]
