@@ -25,6 +25,7 @@ from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.policies import PolicyConfig, make_policy, resolve_block
 from compiledllm.policies.plan import Forward
+from compiledllm.policies.sampling import request_key
 from compiledllm.profiling import phase as profile_range
 
 
@@ -79,7 +80,11 @@ class Engine:
     def capacity_for(self, prompts: list[list[int]]) -> int:
         need = max(working_length(len(p), self.max_new_tokens, self.block) for p in prompts)
         cap = self.static.capacity if self.static else (self.config.max_seq_len or need)
-        if cap < need:
+        if self.static and cap < need <= self.model.config.max_position_embeddings:  # fixed when it was exported
+            raise UserError(f"the exported engine's KV capacity is {cap} positions and this run needs {need} (the "
+                            f"longest prompt plus max_new_tokens {self.max_new_tokens}, rounded up to a block): "
+                            f"export the recipe again with --max-seq-len {need} or more")
+        if cap < need and not self.static:
             raise UserError(f"KV capacity {cap} (max_seq_len) is shorter than the longest working sequence ({need})")
         limit = self.model.config.max_position_embeddings
         if need > limit:
@@ -182,6 +187,7 @@ class Engine:
         start = P // self.block * self.block
         st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, self.max_new_tokens, self.block), start
         st.steps[s], st.active[s], st.retired[s] = 0, True, 0
+        st.key[s] = request_key(self.policy.sampling.seed, index)  # the request's own noise: batch invariant
         for v in st.policy.values():
             v[s] = 0
         if kv is not None and start > 0:

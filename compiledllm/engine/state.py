@@ -17,6 +17,7 @@ class SlotState:
     active: torch.Tensor       # [B] bool: slot holds a request that is still decoding
     steps: torch.Tensor        # [B] long: forwards made for the slot's request
     retired: torch.Tensor      # [B] long: blocks the last step retired (read by the host sync with `active`)
+    key: torch.Tensor          # [B] long: the request's sampling key (policies/sampling.py request_key)
     policy: State              # the policy's per-row state
 
     @classmethod
@@ -24,12 +25,12 @@ class SlotState:
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
                    work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
-                   steps=zeros(), retired=zeros(), policy=policy_state)
+                   steps=zeros(), retired=zeros(), key=zeros(), policy=policy_state)
 
     def view(self, rows: int) -> "SlotState":
         """The first `rows` slots, as views: a step on the view updates these buffers in place."""
         return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
-                         self.active[:rows], self.steps[:rows], self.retired[:rows],
+                         self.active[:rows], self.steps[:rows], self.retired[:rows], self.key[:rows],
                          {k: v[:rows] for k, v in self.policy.items()})
 
     def host_view(self) -> tuple[list[bool], list[int]]:

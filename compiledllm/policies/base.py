@@ -15,6 +15,7 @@ import torch
 
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, Bidirectional
 from compiledllm.policies.plan import Forward, State, Update
+from compiledllm.policies.sampling import Sampling, noise_key, sampled_confidence
 from compiledllm.triton_support import triton_on_cuda
 
 if TYPE_CHECKING:
@@ -25,10 +26,19 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PolicyConfig:
     block_size: int | None = None  # None: the model's own (config.json's block size, e.g. SDAR's 4)
+    temperature: float = 0.0       # sampling (policies/sampling.py); 0: greedy, the exact decode
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        self.sampling  # noqa: B018  (validates the sampling keys)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     def with_block(self, default: int) -> "PolicyConfig":
         """The config with block_size resolved (the model's default where the recipe gives none)."""
@@ -89,6 +99,20 @@ class Policy(ABC):
         self.config = config
         self.mask_id = mask_id
         self.bidirectional = bidirectional  # True: nothing is cached, every forward reads the whole sequence
+        self.sampling = config.sampling
+
+    def noise_keys(self, st: SlotState, positions: torch.Tensor, draws: torch.Tensor | None = None):
+        """[B, K] the sampling keys of the logits rows at `positions` (None when greedy); draws: the rows' count of
+        kept updates (default: their forwards, st.steps)."""
+        if self.sampling.greedy:
+            return None
+        return noise_key(st.key, st.steps if draws is None else draws, positions)
+
+    def choose(self, logits: torch.Tensor, need: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v, p): the confidence rule, or with sampling v drawn (keys from noise_keys) and p its probability."""
+        if keys is None:
+            return confidence(logits, self.mask_id, need)
+        return sampled_confidence(logits, self.mask_id, need, self.sampling, keys)
 
     @property
     def block_size(self) -> int:
@@ -149,10 +173,11 @@ class BlockPolicy(Policy):
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)
         gen = pos >= st.prompt_len[:, None]
-        new, done, state = self.decide(tokens, logits, gen, st.policy)
+        new, done, state = self.decide(tokens, logits, gen, st.policy, self.noise_keys(st, pos))
         return Update(torch.where(gen, pos, -1), new, done.long(), state)
 
     @abstractmethod
-    def decide(self, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State):
-        """tokens / gen [B, Bk], logits [B, Bk, V] -> (new tokens [B, Bk], block done [B] bool, new state, already
-        reset for the rows whose block is done)."""
+    def decide(self, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State,
+               keys: torch.Tensor | None):
+        """tokens / gen [B, Bk], logits [B, Bk, V], keys: for `choose` -> (new tokens [B, Bk], block done [B] bool,
+        new state, already reset for the rows whose block is done)."""

@@ -27,7 +27,7 @@ import torch
 
 from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.errors import UserError
-from compiledllm.policies.base import Policy, State, check_probability, confidence, top_confident
+from compiledllm.policies.base import Policy, State, check_probability, top_confident
 from compiledllm.policies.plan import Forward, Update
 from compiledllm.policies.t2t import T2TConfig
 
@@ -65,7 +65,7 @@ class FlowBlockPolicy(Policy):
         # more: R - L - 1; post: each window block's post-step counter; drafted: FRONT / DOWNSTREAM (+ EDITED) per
         # window position; the four counters feed report(): drafts, and drafts T2T edited later (each counted once)
         return {"more": z(batch), "post": z(batch, self.W), "drafted": z(batch, q), "front_drafts": z(batch),
-                "down_drafts": z(batch), "front_edits": z(batch), "down_edits": z(batch)}
+                "down_drafts": z(batch), "front_edits": z(batch), "down_edits": z(batch), "draws": z(batch)}
 
     def window(self, st):
         """(idx, tokens, gen, live) [B, W * Bk]: window positions, tokens, changeable, admitted (inside R)."""
@@ -86,7 +86,7 @@ class FlowBlockPolicy(Policy):
         c, W, Bk = self.config, self.W, self.block_size
         idx, tokens, gen, live = self.window(st)
         B = idx.shape[0]
-        v, p = confidence(logits, self.mask_id, gen)
+        v, p = self.choose(logits, gen, self.noise_keys(st, idx, st.policy["draws"]))
         blk = (B, W, Bk)
         t3, g3, v3, p3 = tokens.view(blk), gen.view(blk), v.view(blk), p.view(blk)
         masked = (t3 == self.mask_id) & g3
@@ -117,7 +117,8 @@ class FlowBlockPolicy(Policy):
 
         new_tokens = torch.where(m2t | t2t, v3, t3).view(B, W * Bk)
         state = self._track(st.policy, m2t.view(B, -1), t2t.view(B, -1), retire)
-        state |= {"more": (new_width - 1).clamp(min=0), "post": self._shift(post, retire, 1)}
+        state |= {"more": (new_width - 1).clamp(min=0), "post": self._shift(post, retire, 1),
+                  "draws": st.policy["draws"] + 1}  # kept updates: sampling's counter (flowblock_sync discards some)
         return Update(torch.where(gen, idx, -1), new_tokens, retire, state)
 
     def _shift(self, x: torch.Tensor, blocks: torch.Tensor, per_block: int) -> torch.Tensor:

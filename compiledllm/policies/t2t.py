@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, confidence, top_confident
+from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, top_confident
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,10 @@ class T2TPolicy(BlockPolicy):
     def init_state(self, batch: int, device) -> State:
         return {"post": torch.zeros(batch, dtype=torch.long, device=device)}
 
-    def decide(self, tokens, logits, gen, state):
+    def decide(self, tokens, logits, gen, state, keys):
         c = self.config
         masked = (tokens == self.mask_id) & gen
-        v, p = confidence(logits, self.mask_id, gen)
+        v, p = self.choose(logits, gen, keys)
         no_mask = ~masked.any(1)
         post = state["post"] + no_mask.long()
         expired = no_mask & (post > c.max_post_steps)

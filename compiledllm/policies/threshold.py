@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, confidence, top_confident
+from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability, top_confident
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class ThresholdPolicy(BlockPolicy):
     def needed(self, tokens, gen, state):
         return (tokens == self.mask_id) & gen
 
-    def decide(self, tokens, logits, gen, state):
+    def decide(self, tokens, logits, gen, state, keys):
         masked = self.needed(tokens, gen, state)
-        v, p = confidence(logits, self.mask_id, masked)
+        v, p = self.choose(logits, masked, keys)
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
         accept = masked & (p > self.config.threshold)
