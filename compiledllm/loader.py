@@ -1,4 +1,5 @@
-"""load_model: config.json + safetensors (single or sharded) + tokenizer -> a ready model. Never unpickles.
+"""load_model: config.json + safetensors (single or sharded) + tokenizer -> a ready model. Never unpickles. A
+Hugging Face model name (ORG/NAME) is resolved to its snapshot in huggingface_hub's cache first (hub.py).
 
 A checkpoint is hostile input: every JSON file is read with a size limit (models/config.py JSON_LIMIT, tokenizer.py
 TOKENIZER_LIMIT), weight files must be regular files that lie inside the checkpoint directory once links are
@@ -63,13 +64,28 @@ def parse_device(value, what: str = "model.device") -> torch.device:
     return device
 
 
-def parse_path(path) -> str | Path:
-    """A checkpoint directory, export directory or built-in name; `""` would silently mean the current folder."""
+def parse_path(path) -> str:
+    """A checkpoint directory, export directory, built-in name or Hugging Face name; `""` would silently mean the
+    current folder."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str) or not path.strip():
-        raise UserError(f"model.path: expected a checkpoint directory or a built-in model name, got {path!r}")
+        raise UserError(f"model.path: expected a checkpoint directory, a built-in model name or a Hugging Face model "
+                        f"name (ORG/NAME), got {path!r}")
     return path
+
+
+def checkpoint_dir(path: str, revision: str | None) -> Path:
+    """The checkpoint directory `path` names: a local one (it wins over a Hub name of the same spelling), else the
+    cache snapshot of the Hugging Face model ORG/NAME; a name that is neither says which forms a model takes."""
+    from compiledllm import builtin, hub
+
+    if Path(path).exists():
+        return Path(path)
+    if hub.is_repo_id(path):
+        return hub.snapshot(path, revision)
+    raise UserError(f"{path}: not a model directory (nor a built-in model: {', '.join(builtin.BUILTINS)}; for a "
+                    f"Hugging Face model give ORG/NAME, e.g. {hub.EXAMPLE})")
 
 
 def read_config(path: Path) -> dict:
@@ -305,14 +321,20 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
 
 def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
                eos_token_id: int | None = None, *, allow_nonfinite: bool = False,
-               trust_exported: bool = False) -> BlockDiffusionLM:
-    """Load a Hugging Face-layout checkpoint directory (or a built-in model name, or an exported engine) onto
-    `device`. allow_nonfinite: load NaN / inf weights with a warning instead of refusing them. trust_exported:
-    load an exported engine, whose packages are native code that runs in this process."""
-    from compiledllm import builtin
+               trust_exported: bool = False, revision: str | None = None) -> BlockDiffusionLM:
+    """Load a Hugging Face-layout checkpoint directory (or a built-in model name, an exported engine, or a Hugging
+    Face model name ORG/NAME through huggingface_hub's cache: compiledllm/hub.py) onto `device`. allow_nonfinite:
+    load NaN / inf weights with a warning instead of refusing them. trust_exported: load an exported engine, whose
+    packages are native code that runs in this process. revision: the Hub model's branch, tag or commit."""
+    from compiledllm import builtin, hub
     from compiledllm.export.runtime import is_exported, load_exported  # runtime imports this module's parsers
 
     path, device, dtype = parse_path(path), parse_device(device), parse_dtype(dtype)
+    revision = hub.parse_revision(revision)
+    if revision is not None and (builtin.is_builtin(path) or Path(path).exists()):  # a silent ignore would mislead
+        what = "a built-in model" if builtin.is_builtin(path) else "a local path"
+        raise UserError(f"model.revision: {path} is {what}, not a Hugging Face model name (ORG/NAME); a revision "
+                        "names a branch, tag or commit of a Hub repository")
     if is_exported(path):
         if not trust_exported:
             raise UserError(f"{path}: an exported engine runs native code (its .pt2 packages are shared libraries); "
@@ -321,7 +343,7 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
         return load_exported(path, device)
     if builtin.is_builtin(path):
         return builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
-    path = Path(path)
+    path = checkpoint_dir(path, revision)
     config = parse_model_config(read_config(path), str(path / "config.json"))
     files = checkpoint_files(path)
     tokenizer = TextTokenizer.from_dir(path)

@@ -108,7 +108,8 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str | None = Field(default=None, min_length=1)  # checkpoint directory or built-in name (init: checkpoint)
+    path: str | None = Field(default=None, min_length=1)  # checkpoint directory, built-in name or Hub ORG/NAME
+    revision: str | None = Field(default=None, min_length=1)  # path ORG/NAME: the Hub branch, tag or commit
     init: Literal["checkpoint", "random"] = "checkpoint"
     config: str | dict[str, Any] | None = None  # init: random -> a preset name or an inline config.json mapping
     architecture: str | None = None     # optional check of the config's architecture (init: random)
@@ -126,8 +127,8 @@ class ModelSpec(_Strict):
             raise ValueError(NO_MODEL)
         if self.init == "random" and self.config is None:
             raise ValueError("init: random needs config (a preset name or an inline config.json mapping)")
-        if self.init == "random" and self.path is not None:
-            raise ValueError("path is for init: checkpoint; init: random builds the model from config")
+        if self.init == "random" and (self.path is not None or self.revision is not None):
+            raise ValueError("path/revision are for init: checkpoint; init: random builds the model from config")
         if self.init == "checkpoint" and (self.config is not None or self.architecture is not None):
             raise ValueError("config/architecture are for init: random; a checkpoint brings its own config.json")
         return self
@@ -269,3 +270,33 @@ def load_recipe(source: str | Path | dict | Recipe, overrides: list[str] | None 
 
 
 __all__ = ["Recipe", "ModelSpec", "GenerationSpec", "PromptSpec", "load_recipe", "POLICIES"]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that _Loader would read as something else (1e-3 is a float there, not in YAML 1.1)."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def resolved_policy(params: dict) -> dict:
+    """A policy mapping with every parameter of its config, defaults filled in (name first)."""
+    from dataclasses import asdict, fields
+
+    config = policy_config(params)
+    given = asdict(config)
+    return {"name": params["name"], **{f.name: given[f.name] for f in fields(config) if f.init}}
+
+
+def resolved_recipe(recipe: Recipe) -> dict:
+    """The recipe as `load_recipe` sees it: every default written out, the policy's included."""
+    data = recipe.model_dump(mode="json")
+    data["prompts"] = [p.model_dump(mode="json", exclude_none=True) for p in recipe.prompts]
+    data["policy"] = resolved_policy(recipe.policy)
+    return data
+
+
+def dump_recipe(data: dict) -> str:
+    """YAML text that parse_yaml reads back as `data`."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1 << 20)

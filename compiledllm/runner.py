@@ -40,7 +40,8 @@ def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
                             f"{model.config.architecture!r}")
         return model
     return load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
-                      eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported)
+                      eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported,
+                      revision=m.revision)
 
 
 def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:
