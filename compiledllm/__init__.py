@@ -3,6 +3,7 @@
 Public API (imported lazily so that `import compiledllm.<sub>` stays cheap and independent):
     load_model(path, device="cpu", dtype=torch.float32) -> Model
     run(recipe) -> list[Result]
+    LLM(model_or_recipe, ...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]
     Recipe
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ _LAZY = {
     "run": ("compiledllm.runner", "run"),
     "generate": ("compiledllm.engine", "generate"),
     "Recipe": ("compiledllm.recipe", "Recipe"),
+    "LLM": ("compiledllm.llm", "LLM"),
+    "SamplingParams": ("compiledllm.llm", "SamplingParams"),
     "UserError": ("compiledllm.errors", "UserError"),
 }
 
