@@ -77,9 +77,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+# LLaDA2.0's chat format (without tool calls): the API's shape for chat prompts; the tiny models are not chat-tuned
+CHAT_TEMPLATE = "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content + '\\n' %}{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}{{- '<role>SYSTEM</role>' + system + 'detailed thinking off<|role_end|>' }}{%- for message in messages %}{%- if message.role == 'user' %}{{- '<role>HUMAN</role>' + message.content + '<|role_end|>' }}{%- elif message.role == 'assistant' %}{{- '<role>ASSISTANT</role>' + message.content + '<|role_end|>' }}{%- elif message.role == 'system' %}{{- '<role>SYSTEM</role>' + message.content + '<|role_end|>' }}{%- else %}{{- raise_exception('roles are system, user and assistant, got ' + message.role) }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<role>ASSISTANT</role>' }}{%- endif %}"
+
+
 def tokenizer_config(max_len: int) -> dict:
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIALS[EOS], "pad_token": SPECIALS[PAD],
-            "mask_token": SPECIALS[MASK], "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+            "mask_token": SPECIALS[MASK], "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE}
 
 
 def encode_files(tok, files: list[SourceFile]):

@@ -479,6 +479,9 @@ with group-limited routing ({c['n_group']} groups, keep {c['topk_group']}), 1 sh
 expert bias, routed scaling {c['routed_scaling_factor']}; untied head; vocabulary {c['vocab_size']} (byte-level BPE);
 context {c['max_position_embeddings']} tokens. {params:,} parameters, stored in bfloat16 ({results['weights_bytes'] / 1e6:.1f} MB).
 Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|>` ({D.MASK}).
+`tokenizer_config.json` carries LLaDA2.0's chat template (`<role>HUMAN</role>...<|role_end|><role>ASSISTANT</role>`)
+so that messages prompts and `LLM.chat` take the shape they have on the real models; the model was never chat-tuned
+and answers a chat prompt with Python-like text.
 
 ## Data and split
 `*.py` files under the training interpreter's stdlib directory (Python {d['python']}, `{d['root']}`), test
