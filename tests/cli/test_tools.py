@@ -51,3 +51,103 @@ def test_merge_keeps_each_point_once_in_plan_order(tmp_path):
     plan = "m:4096,32768;s:4096"
     keys = [(r["model"], r["context"], r["batch"]) for r in sorted(records, key=lambda r: plan_key(plan, r))]
     assert keys == [("m", 4096, 8), ("m", 32768, 1), ("m", 32768, 60), ("s", 4096, 8)]
+
+
+# --- docs/results.md: the headline chart and every raw file it names (issue 20) ---------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+RESULT_PAGES = [ROOT / "docs" / "results.md", ROOT / "docs" / "results_archive.md"]
+# a results file as the pages name it: `name.json`, `results/name.log`, `docs/results/name.md`, with * and {a,b}
+RESULT_NAME = r"(?:(?:docs/)?results/)?[A-Za-z0-9_.*{},-]+\.(?:json|log|png|md|jsonl)"
+
+
+def _expand(pattern: str) -> list[str]:
+    import re
+
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [p for alt in m.group(1).split(",") for p in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def _named_results(text: str) -> set[str]:
+    """File names a page gives as results: whole `backticked` names and the targets of results/... links."""
+    import re
+
+    names = {m.group(1) for m in re.finditer(r"`(" + RESULT_NAME + r")`", text)}
+    names |= {m.group(1) for m in re.finditer(r"\]\((results/[^)#\s]+)\)", text)}
+    return {n.split("results/")[-1] for n in names}
+
+
+def test_every_results_file_the_results_pages_name_exists():
+    missing = []
+    for page in RESULT_PAGES:
+        for name in sorted(_named_results(page.read_text())):
+            for pattern in _expand(name):
+                if not list(RESULTS.glob(pattern)):
+                    missing.append(f"{page.name}: {pattern}")
+    assert not missing, "named in the results pages but not in docs/results/: " + ", ".join(missing)
+
+
+def test_results_name_parser_sees_names_links_globs_and_braces():
+    text = ("raw `bench_head_h200.json`; ![c](results/headline_decode_h200.png); `kernels_{4k,32k}.json`; "
+            "`python3 tools/x.py --out $OUT/a.json` is a command, not a name; `results/gpu_tests_h200_run6.log`")
+    assert _named_results(text) == {"bench_head_h200.json", "headline_decode_h200.png", "kernels_{4k,32k}.json",
+                                    "gpu_tests_h200_run6.log"}
+    assert _expand("k_{4k,32k}_{a,b}.json") == ["k_4k_a.json", "k_4k_b.json", "k_32k_a.json", "k_32k_b.json"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_results_pages_and_the_readme_resolve():
+    import re
+
+    pages = RESULT_PAGES + [ROOT / "README.md"]
+    headings = {p.resolve(): re.findall(r"^#+ (.*)$", p.read_text(), re.MULTILINE) for p in pages}
+    anchors = {path: {_slug(h) for h in hs} for path, hs in headings.items()}
+    bad = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page.resolve()
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest in anchors and anchor not in anchors[dest]:
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def test_headline_chart_and_tables_come_from_the_repository_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot_headline
+
+    out = tmp_path / "headline.png"
+    plot_headline.main(["--out", str(out), "--dpi", "40"])
+    assert out.stat().st_size > 5_000
+    # the summary's tables are the tool's output for the JSON of record, so the page and the files agree
+    grid = plot_headline.records("bench_decode_grid_h200_run6.json")
+    peers = plot_headline.load("headline_peers.json")
+    page = (ROOT / "docs" / "results.md").read_text()
+    for table in (plot_headline.decode_table(grid), plot_headline.peers_summary(peers),
+                  plot_headline.peers_table(peers)):
+        assert table in page, "docs/results.md is out of date: run python3 tools/plot_headline.py --tables"
+
+
+def test_peer_normalisation_is_the_stated_bandwidth_ratio():
+    import plot_headline
+
+    peers = plot_headline.load("headline_peers.json")
+    assert plot_headline.normalise(peers, "H100 SXM", 1) == pytest.approx(4.8 / 3.35)
+    assert plot_headline.normalise(peers, "H20", 8) == pytest.approx(4.8 / 32)
+    for p in peers["peers"] + peers["not_plotted"]:
+        assert p["source"], p
+    for p in peers["peers"]:
+        assert p["gpu"] in peers["hbm_tb_per_s"] and all(pt["tokens_per_s"] > 0 for pt in p["points"])
