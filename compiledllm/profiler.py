@@ -1,37 +1,61 @@
-"""`compiledllm profile`: run a recipe under torch.profiler and split a step's time into phases.
+"""`compiledllm profile`: where a recipe's run spends its time, per phase, plus a short torch.profiler trace.
 
-The run is eager (no compile, no CUDA graphs) so that each phase's kernels are attributable; the
-labelled ranges come from compiledllm.profiling.phase. An unprofiled warm-up run goes first, so that kernel
-compilation (Triton JIT), library start-up and allocator growth are not counted. A step is one decode step of
-the engine (every active slot). Outputs a Chrome trace, a JSON report and a PNG chart.
+The run is eager and profiled (no compile, no CUDA graphs, MODE) so that each phase's work is attributable. A
+short warm-up (one block per prompt, the same KV capacity) goes first, so that kernel compilation (Triton JIT),
+library start-up and allocator growth are not counted. Then the whole run is timed per phase by the labelled
+ranges of compiledllm.profiling (a PhaseClock: cheap), while torch.profiler records only a few steps (its
+schedule: skip one, warm up one, record `record_steps`), which bounds the trace. A step is one decode forward of
+the engine (every active slot at once); prefill is a run total, not a per-step cost. Outputs trace.json.gz
+(chrome://tracing and Perfetto open it), profile.json and profile.png.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
-from compiledllm.profiling import PHASES
+from compiledllm.profiling import PHASES, PhaseClock
 from compiledllm.recipe import Recipe, load_recipe
-from compiledllm.runner import Summary, execute
+from compiledllm.runner import Summary, encode_prompts, load_from_spec, make_summary
+
+MODE = "eager, profiled"
+RECORD_STEPS = 5
+TRACE_FILE = "trace.json.gz"
+STEPS_MEANING = "decode forwards of the engine (each runs every active slot at once); prefill not counted"
 
 
 @dataclass(frozen=True)
 class PhaseRow:
     phase: str
-    total_ms: float
-    per_step_ms: float
-    per_block_ms: float
-    share: float  # of the decode wall time
+    total_ms: float            # over the whole run
+    per_step_ms: float | None  # None for prefill: it runs at admission, not once per step
+    share: float               # of the run's wall time
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    rows: list[PhaseRow]  # largest total first
+    summary: Summary
+    steps: int            # the engine's decode forwards: every per-step figure divides by this
+    recorded_steps: int   # steps in the trace
+    ops: list[dict]
+    trace: Path | None    # None when the run was too short to reach the recorded steps
+    chart: Path | None    # None when matplotlib is missing
+    gpu_busy_ms: float | None = None  # CUDA: kernel time of the recorded steps (the rest is host work and gaps)
 
 
 def phase_times(events, cuda: bool) -> dict[str, float]:
-    """Milliseconds per phase label, counting only outermost labelled ranges (prefill holds its own layers).
-    Only the CPU-side ranges count: on CUDA a labelled range also appears as a device-side annotation spanning
-    its kernels' wall time on the GPU (idle time and other ranges' queued kernels included), which would
+    """Milliseconds per phase label in profiler events, counting only outermost labelled ranges (prefill holds its
+    own layers). Only the CPU-side ranges count: on CUDA a labelled range also appears as a device-side annotation
+    spanning its kernels' wall time on the GPU (idle time and other ranges' queued kernels included), which would
     count twice. A CPU range's device time is the time of the kernels launched inside it."""
     out = {p: 0.0 for p in PHASES}
     for ev in events:
@@ -50,22 +74,15 @@ def phase_times(events, cuda: bool) -> dict[str, float]:
 
 
 def top_ops(prof, cuda: bool, limit: int | None = 30) -> list[dict]:
-    """GPU kernels (CPU ops without CUDA) of the whole run, prefill included, by self time, largest first.
-    Per-kernel times do not depend on how launches are attributed to the labelled ranges, so they
-    cross-check the phase table."""
+    """GPU kernels (CPU ops without CUDA) of the recorded steps by self time, largest first. Per-kernel times do
+    not depend on how launches are attributed to the labelled ranges, so they cross-check the phase table."""
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     rows = []
     for e in prof.key_averages():
         us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if e.device_type == kind and us > 0 and not e.key.startswith("phase::"):
+        if e.device_type == kind and us > 0 and not e.key.startswith("phase::") and not e.key.startswith("Profiler"):
             rows.append({"name": e.key, "calls": e.count, "total_ms": us / 1000.0})
     return sorted(rows, key=lambda r: -r["total_ms"])[:limit]
-
-
-def decode_steps(events) -> int:
-    """Decode steps of the engine: each runs the acceptance once (an outermost labelled range)."""
-    cpu = torch.autograd.DeviceType.CPU
-    return sum(1 for ev in events if ev.name == "phase::acceptance" and ev.device_type == cpu)
 
 
 def busy_ms(events) -> float:
@@ -75,44 +92,118 @@ def busy_ms(events) -> float:
     return sum(k.duration for ev in events if ev.device_type == cpu for k in ev.kernels) / 1000.0
 
 
-def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[str] | None = None):
+@contextmanager
+def quiet():
+    """Keep the profiler's own output off the console while it starts, steps and stops: Python warnings, and
+    kineto's C++ log lines ("profiler_start", "profiler_stop") that go straight to file descriptor 2."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@dataclass
+class TimedRun:
+    results: list
+    wall_s: float       # the run's wall time, the profiler's own calls left out
+    clock: PhaseClock
+    prof: profile
+    recorded: int       # steps in the trace (0: the run ended before them)
+    profiler_s: float   # time inside the profiler's calls
+
+
+def timed_run(engine, prompts: list[list[int]], record_steps: int) -> TimedRun:
+    """The whole run under a PhaseClock, torch.profiler recording steps 3 .. 2 + record_steps only."""
+    cuda = engine.model.device.type == "cuda"
+    ready, spent = [], [0.0]
+
+    def step() -> None:
+        t = time.perf_counter()
+        with quiet():
+            prof.step()  # the recorded window's end stops the trace here (it is written after the run)
+        spent[0] += time.perf_counter() - t
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                   schedule=schedule(wait=1, warmup=1, active=record_steps, repeat=1), on_trace_ready=ready.append)
+    with quiet():
+        prof.start()
+    try:
+        with PhaseClock(engine.model.device, on_forward=step) as clock:
+            t0 = time.perf_counter()
+            results = engine.generate(prompts)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0 - spent[0]
+    finally:
+        with quiet():
+            prof.stop()  # a run that ends inside the recorded window stops its trace here
+    recorded = min(max(clock.forwards - 2, 0), record_steps) if ready else 0
+    return TimedRun(results, wall, clock, prof, recorded, spent[0])
+
+
+def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[str] | None = None,
+                   record_steps: int = RECORD_STEPS) -> ProfileResult:
+    from compiledllm.engine import Engine
+
     recipe = load_recipe(source, overrides)
     recipe = recipe.model_copy(update={"compile": False, "cuda_graphs": False})
+    specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     out_dir.mkdir(parents=True, exist_ok=True)
-    cuda = recipe.model.device.startswith("cuda")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    execute(recipe)  # warm-up, not profiled
-    with profile(activities=activities) as prof:
-        results, summary = execute(recipe)
-        if cuda:
-            torch.cuda.synchronize()
-    events = prof.events()
-    times = phase_times(events, cuda)
-    steps = max(decode_steps(events), 1)
-    blocks = max(sum(r.blocks for r in results), 1)
-    decode_ms = summary.wall_s * 1000.0  # the whole generate: prefill included, so it is a row of its own
-    rows = [(p, t) for p, t in times.items() if t > 0]
-    labelled = sum(t for _, t in rows)
-    if cuda:
-        gpu_busy = busy_ms(events)
-        rows.append(("other kernels (norms, rope, embed)", max(gpu_busy - labelled, 0.0)))
-        rows.append(("host gaps (GPU idle)", max(decode_ms - gpu_busy, 0.0)))
-    else:
-        rows.append(("other (norms, rope, embed, host)", max(decode_ms - labelled, 0.0)))
-    table = [PhaseRow(p, t, t / steps, t / blocks, t / decode_ms if decode_ms else 0.0) for p, t in rows]
-    ops = top_ops(prof, cuda)
-    trace = out_dir / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    report = {"summary": summary.__dict__, "steps": steps, "blocks": blocks, "decode_ms": decode_ms,
-              "prefill_ms": times["prefill"], "phases": [r.__dict__ for r in table], "trace": str(trace),
+    t0 = time.perf_counter()
+    model = load_from_spec(recipe.model)
+    load_s = time.perf_counter() - t0
+    prompts = encode_prompts(model, specs)
+    engine = Engine.from_recipe(model, recipe)
+    engine.validate(prompts)
+    capacity = engine.capacity_for(prompts)
+    short = dataclasses.replace(engine.config, max_new_tokens=1, max_seq_len=capacity)  # one block, same shapes
+    Engine(model, short).generate(prompts)  # the warm-up
+
+    trace = out_dir / TRACE_FILE
+    trace.unlink(missing_ok=True)
+    run = timed_run(engine, prompts, record_steps)
+    summary = make_summary(recipe, model, run.results, run.wall_s, load_s, engine.startup_s)
+    steps, cuda = max(run.clock.forwards, 1), model.device.type == "cuda"
+    events, ops = [], []
+    if run.recorded:
+        with quiet():
+            events, ops = run.prof.events(), top_ops(run.prof, cuda)
+            run.prof.export_chrome_trace(str(trace))  # gzipped: the name ends in .gz
+    rows = phase_rows(run.clock.totals(), steps, run.wall_s * 1000.0)
+    busy = busy_ms(events) if cuda and run.recorded else None
+    report = {"mode": MODE, "summary": summary.__dict__, "steps": steps, "steps_are": STEPS_MEANING,
+              "wall_ms": run.wall_s * 1000.0, "profiler_ms_left_out": run.profiler_s * 1000.0,
+              "phases": [r.__dict__ for r in rows], "trace": str(trace) if run.recorded else None,
+              "recorded_steps": run.recorded,
+              "recorded": {"phase_ms": phase_times(events, cuda), **({"gpu_busy_ms": busy} if cuda else {})},
               "top_kernels" if cuda else "top_cpu_ops": ops}
     (out_dir / "profile.json").write_text(json.dumps(report, indent=2) + "\n")
-    chart = write_chart(table, summary, out_dir / "profile.png")
-    return table, summary, chart, ops
+    chart = write_chart(rows, summary, steps, out_dir / "profile.png")
+    return ProfileResult(rows, summary, steps, run.recorded, ops, trace if run.recorded else None, chart, busy)
 
 
-def write_chart(table: list[PhaseRow], summary: Summary, path: Path) -> Path | None:
-    """A horizontal bar chart of per-step milliseconds by phase (None when matplotlib is missing)."""
+def phase_rows(times: dict[str, float], steps: int, wall_ms: float) -> list[PhaseRow]:
+    """The labelled phases and the rest of the wall time, largest first."""
+    labelled = sum(times.values())
+    items = [(p, t) for p, t in times.items() if t > 0] + [("other (norms, rope, embed, host)",
+                                                            max(wall_ms - labelled, 0.0))]
+    rows = [PhaseRow(p, t, None if p == "prefill" else t / steps, t / wall_ms if wall_ms else 0.0) for p, t in items]
+    return sorted(rows, key=lambda r: -r.total_ms)
+
+
+def title(summary: Summary, steps: int) -> str:
+    return (f"{summary.model} · {summary.policy} · {summary.device} · {MODE} · {steps} steps "
+            f"(decode forwards) · {summary.wall_s:.2f} s")
+
+
+def write_chart(rows: list[PhaseRow], summary: Summary, steps: int, path: Path) -> Path | None:
+    """Horizontal bars of each phase's total over the run, largest on top, labelled with its share and its ms per
+    step (prefill: run total only). None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -120,12 +211,16 @@ def write_chart(table: list[PhaseRow], summary: Summary, path: Path) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(table) + 1.4))
-    bars = ax.barh([r.phase for r in table][::-1], [r.per_step_ms for r in table][::-1], color="#4477aa")
-    ax.bar_label(bars, fmt="%.2f", padding=3, fontsize=8)
-    ax.margins(x=0.15)
-    ax.set_xlabel("ms per step")
-    ax.set_title(f"{summary.model} · {summary.policy} · {summary.device}\nwhere a step's time goes")
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
+    bars = ax.barh([r.phase for r in rows][::-1], [r.total_ms for r in rows][::-1],
+                   color=["#aa7744" if r.per_step_ms is None else "#4477aa" for r in rows][::-1])
+    labels = [f"{r.total_ms:.0f} ms · {r.share:.1%} · " + ("run total" if r.per_step_ms is None
+                                                          else f"{r.per_step_ms:.2f} ms/step") for r in rows][::-1]
+    ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
+    ax.margins(x=0.45)
+    ax.set_xlabel(f"ms over the whole run ({summary.wall_s * 1000:.0f} ms wall, {steps} steps)")
+    ax.set_title(f"{title(summary, steps)}\nwhere the run's time goes (a step: one decode forward of the engine)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

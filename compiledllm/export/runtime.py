@@ -4,7 +4,9 @@ fixed shapes (`static_shapes`) that runs the packaged forwards in place of a liv
 An AOTInductor package is a shared library that runs in this process: loading one is a trust decision the caller
 makes (loader.load_model's trust_exported). Before any package is loaded, `read_meta` checks the whole metadata
 file: every key present with its type, the config consistent with distinct MASK / EOS ids, positive shapes, one
-package per bucket, each a regular file inside the export directory once links are resolved."""
+package per bucket and one weights file, each a regular file inside the export directory once links are resolved,
+and each weight's dtype and shape. The packages hold no weights: every one is handed the same tensors of the
+weights file (checked against the metadata first), so they are in memory once."""
 from __future__ import annotations
 
 import signal
@@ -24,8 +26,13 @@ from compiledllm.policies.plan import Forward
 from compiledllm.tokenizer import TextTokenizer, one_line
 
 EXPORT_FILE = "compiledllm_export.json"
-FORMAT = 2  # 2: KV caches with the spare position (kv/cache.py), bidirectional forwards take lengths
-META_KEYS = ("format", "torch", "config", "dtype", "device", "block_size", "capacity", "buckets", "files")
+FORMAT = 3  # 2: KV caches with the spare position (kv/cache.py), bidirectional forwards take lengths; 3: weights
+#              in one file that the bucket packages share
+META_KEYS = ("format", "torch", "config", "dtype", "device", "block_size", "capacity", "buckets", "files", "weights")
+WEIGHTS_FILE = "weights.safetensors"
+TENSOR_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16,
+                                                            torch.float64, torch.int64, torch.int32, torch.int16,
+                                                            torch.int8, torch.uint8, torch.bool)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,8 @@ class ExportMeta:
     device: torch.device
     shapes: StaticShapes
     files: dict[int, Path]  # bucket -> its package
+    weights: Path           # the tensors every package is given
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # what the weights file must hold
 
 
 def is_exported(path) -> bool:
@@ -64,20 +73,38 @@ def meta_config(file: Path, data) -> ModelConfig:
     return config
 
 
-def package_file(path: Path, file: Path, bucket: str, name) -> Path:
-    """files[bucket]: a package file inside the export directory (no absolute name, `..` or link out of it)."""
+def member_file(path: Path, file: Path, key: str, name) -> Path:
+    """meta[key]: a file inside the export directory (no absolute name, `..` or link out of it)."""
     if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise UserError(f"{file}: files[{bucket!r}] must be a file name inside {path}, got {show(name)}")
-    package = path / name
+        raise UserError(f"{file}: {key} must be a file name inside {path}, got {show(name)}")
+    member = path / name
     try:
-        inside = package.resolve().is_relative_to(path.resolve())
+        inside = member.resolve().is_relative_to(path.resolve())
     except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
         inside = False
     if not inside:
-        raise UserError(f"{file}: files[{bucket!r}] = {name!r} lies outside the export directory {path}")
-    if not package.is_file():
-        raise UserError(f"{file}: files[{bucket!r}] = {name!r} is not a file in {path}")
-    return package
+        raise UserError(f"{file}: {key} = {name!r} lies outside the export directory {path}")
+    if not member.is_file():
+        raise UserError(f"{file}: {key} = {name!r} is not a file in {path}")
+    return member
+
+
+def package_file(path: Path, file: Path, bucket: str, name) -> Path:
+    return member_file(path, file, f"files[{bucket!r}]", name)
+
+
+def weight_specs(file: Path, tensors) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """weights.tensors: name -> {"dtype": one of TENSOR_DTYPES, "shape": a list of sizes >= 0}."""
+    if not isinstance(tensors, dict) or not tensors:
+        raise UserError(f"{file}: weights.tensors must map each weight's name to its dtype and shape")
+    out = {}
+    for name, spec in tensors.items():
+        ok = isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and spec["dtype"] in TENSOR_DTYPES
+        shape = spec.get("shape") if ok else None
+        if not ok or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise UserError(f"{file}: weights.tensors[{name!r}] must be {{dtype, shape}}, got {show(spec)}")
+        out[name] = (TENSOR_DTYPES[spec["dtype"]], tuple(shape))
+    return out
 
 
 def read_meta(path: Path) -> ExportMeta:
@@ -102,13 +129,17 @@ def read_meta(path: Path) -> ExportMeta:
         buckets = tuple(sorted({check_int("buckets", b) for b in buckets}))
     except InvalidConfig as e:
         raise UserError(f"{file}: {e}") from None
-    files = meta["files"]
+    files, weights = meta["files"], meta["weights"]
     if not isinstance(files, dict) or set(files) != {str(b) for b in buckets}:
         raise UserError(f"{file}: files must map each bucket of {list(buckets)} to its package, got {show(files)}")
+    if not isinstance(weights, dict) or set(weights) != {"file", "tensors"}:
+        raise UserError(f"{file}: weights must be {{file, tensors}}, got {show(weights)}")
     return ExportMeta(config=meta_config(file, meta["config"]), dtype=parse_dtype(meta["dtype"], f"{file}: dtype"),
                       device=parse_device(meta["device"], f"{file}: device"),
                       shapes=StaticShapes(block, capacity, buckets),
-                      files={b: package_file(path, file, str(b), files[str(b)]) for b in buckets})
+                      files={b: package_file(path, file, str(b), files[str(b)]) for b in buckets},
+                      weights=member_file(path, file, "weights.file", weights["file"]),
+                      tensors=weight_specs(file, weights["tensors"]))
 
 
 # run in a child process before a CUDA package is loaded here (see probe_load)
@@ -143,9 +174,10 @@ class ExportedModel(ConfigFacts):
         self.dtype = meta.dtype
         self.device = meta.device
         self.tokenizer = TextTokenizer.from_dir(path)
+        self.weights = load_weights(meta)  # checked before any package loads; the runners use them in place
         if self.device.type == "cuda":
             probe_load(meta.files[meta.shapes.buckets[0]])
-        self.runners = {b: load_package(f) for b, f in meta.files.items()}
+        self.runners = {b: with_weights(load_package(f), f, self.weights) for b, f in meta.files.items()}
 
     def _runner(self, batch: int):
         if batch not in self.runners:
@@ -186,6 +218,41 @@ def load_package(package: Path):
         return torch._inductor.aoti_load_package(str(package))
     except Exception as e:  # a damaged archive; torch raises RuntimeError and others
         raise UserError(f"{package}: the exported package does not load ({one_line(e)})") from None
+
+
+def load_weights(meta: ExportMeta) -> dict[str, torch.Tensor]:
+    """The weights file on the export's device, each tensor as the metadata says (name, dtype, shape)."""
+    from safetensors.torch import load_file
+
+    try:
+        weights = load_file(str(meta.weights), device=str(meta.device))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise UserError(f"{meta.weights}: not a readable safetensors file ({one_line(e)})") from None
+    if set(weights) != set(meta.tensors):
+        odd = sorted(set(weights) ^ set(meta.tensors))[0]
+        raise UserError(f"{meta.weights}: {odd!r} is {'missing' if odd in meta.tensors else 'unexpected'} "
+                        f"(the metadata lists {len(meta.tensors)} tensors; export the recipe again)")
+    for name, (dtype, shape) in meta.tensors.items():
+        t = weights[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise UserError(f"{meta.weights}: {name} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the "
+                            f"metadata says {str(dtype).removeprefix('torch.')} {list(shape)}")
+    return weights
+
+
+def with_weights(runner, package: Path, weights: dict[str, torch.Tensor]):
+    """Hand a package the shared tensors it names (user-managed: no copy; a package run without them would read
+    unset constants)."""
+    names = runner.get_constant_fqns()
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise UserError(f"{package}: needs weight {missing[0]!r}, which the export's weights file lacks (export the "
+                        "recipe again)")
+    try:
+        runner.load_constants({n: weights[n] for n in names}, check_full_update=True, user_managed=True)
+    except Exception as e:
+        raise UserError(f"{package}: the weights do not load into the package ({one_line(e)})") from None
+    return runner
 
 
 def load_exported(path, device: str | torch.device | None = None) -> ExportedModel:

@@ -5,6 +5,10 @@ the block's logits plus its fresh K/V (the engine writes them into the cache); b
 working sequence and each row's length. The policy step stays in Python. Shapes are static per package (bucket,
 block size, KV capacity); `compiledllm_export.json` records them (runtime.py reads it).
 
+The weights are one safetensors file that every bucket's package shares: the packages are compiled without their
+constants (aot_inductor.package_constants_in_so=False) and the runtime hands each the same tensors
+(load_constants, user-managed), so they are stored and held in memory once, not once per bucket.
+
 The traced forwards run torch's own ops (Kernels("torch", "grouped_mm")): an AOTInductor package runs in its C++
 runtime, which cannot call this package's kernels (Python custom ops over Triton and CuPy), so Inductor generates
 and packages the kernels.
@@ -20,7 +24,7 @@ from torch import nn
 
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, Bidirectional, Kernels
 from compiledllm.errors import UserError
-from compiledllm.export.runtime import EXPORT_FILE, FORMAT
+from compiledllm.export.runtime import EXPORT_FILE, FORMAT, WEIGHTS_FILE
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.policies.plan import Forward
@@ -65,9 +69,35 @@ def example_inputs(model: BlockDiffusionLM, bucket: int, block: int, capacity: i
             torch.zeros(kv, dtype=model.dtype, device=dev), torch.zeros(kv, dtype=model.dtype, device=dev))
 
 
+def add_constants(program, into: dict[str, torch.Tensor]) -> None:
+    """Add a program's parameters, buffers and lifted constants (everything its package can ask for by name) to
+    `into`. Every bucket's program holds the same module, so a name seen before must hold the same tensor."""
+    for name, t in {**program.state_dict, **program.constants}.items():
+        t = t.detach()
+        if not t.is_contiguous():  # the package was compiled for these strides; safetensors stores dense tensors
+            raise RuntimeError(f"export: constant {name} is not contiguous")
+        if name in into and into[name].data_ptr() != t.data_ptr() and not torch.equal(into[name], t):
+            raise RuntimeError(f"export: constant {name} differs between bucket programs")
+        into.setdefault(name, t)
+
+
+def save_weights(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, dict]:
+    """One safetensors file; returns each tensor's dtype and shape for the metadata. A tensor that shares its
+    storage (a view, an alias) is stored as a copy: safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+
+    seen, out = set(), {}
+    for name, t in sorted(tensors.items()):
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = (t.clone() if ptr in seen or t.untyped_storage().nbytes() != t.nbytes else t).cpu()
+        seen.add(ptr)
+    save_file(out, str(file))
+    return {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)} for k, v in out.items()}
+
+
 def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: int, buckets: list[int],
                  backend: str = "aoti", on_bucket=None) -> Path:
-    """Write one package per bucket plus the metadata into `out`."""
+    """Write one package per bucket, the weights they share and the metadata into `out`."""
     if backend == "tensorrt":
         try:
             import torch_tensorrt  # noqa: F401
@@ -80,30 +110,39 @@ def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: in
     if backend != "aoti":
         raise UserError(f"--backend {backend!r}: expected aoti or tensorrt")
     out.mkdir(parents=True, exist_ok=True)
+    for old in [out / WEIGHTS_FILE, *out.glob("step_b*.pt2")]:  # an earlier export's: none of its buckets lingers
+        old.unlink(missing_ok=True)  # (its metadata stays until replaced: `compiledllm export` may write here again)
     module = FullForward(model) if model.bidirectional else WindowForward(model, block)
     if not model.bidirectional:
         buckets = [1, *buckets]  # prefill runs one slot at a time
-    files = {}
+    files, constants = {}, {}
     for b in sorted(set(buckets)):
         with torch.no_grad():
             program = torch.export.export(module, example_inputs(model, b, block, capacity), strict=False)
         name = f"step_b{b}.pt2"
-        torch._inductor.aoti_compile_and_package(program, package_path=str(out / name))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(out / name),
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        add_constants(program, constants)
         files[str(b)] = name
         if on_bucket is not None:
             on_bucket(b)
+    tensors = save_weights(constants, out / WEIGHTS_FILE)
     meta = {"format": FORMAT, "torch": torch.__version__, "config": dataclasses.asdict(model.config),
             "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device), "block_size": block,
-            "capacity": capacity, "buckets": sorted(int(b) for b in files), "files": files}
+            "capacity": capacity, "buckets": sorted(int(b) for b in files), "files": files,
+            "weights": {"file": WEIGHTS_FILE, "tensors": tensors}}
     (out / EXPORT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / WEIGHTS_FILE).chmod((out / EXPORT_FILE).stat().st_mode)  # safetensors writes 0600; match the rest
     if model.tokenizer is not None:
         model.tokenizer.save(out)
     return out
 
 
 def export_recipe(source, out: Path, backend: str = "aoti", overrides: list[str] | None = None,
-                  on_start=None, on_bucket=None) -> dict:
-    """Export the step forwards a recipe needs: its block size, batch buckets and KV capacity."""
+                  max_seq_len: int | None = None, on_start=None, on_bucket=None) -> dict:
+    """Export the step forwards a recipe needs: its block size and batch buckets, and a KV capacity of
+    `max_seq_len` (default: the recipe's generation.max_seq_len, else what its prompts need). The metadata it
+    returns has `capacity_from`, saying which."""
     from compiledllm.engine import Engine
     from compiledllm.engine.stepper import default_buckets
     from compiledllm.recipe import load_recipe
@@ -113,11 +152,25 @@ def export_recipe(source, out: Path, backend: str = "aoti", overrides: list[str]
     model = load_from_spec(recipe.model)
     if not isinstance(model, BlockDiffusionLM):
         raise UserError(f"model.path {recipe.model.path}: already an exported engine")
-    engine = Engine.from_recipe(model, recipe)
-    capacity = engine.capacity_for(encode_prompts(model, recipe.load_prompts()))
+    asked = recipe.generation.max_seq_len
+    unset = recipe.model_copy(update={"generation": recipe.generation.model_copy(update={"max_seq_len": None})})
+    engine = Engine.from_recipe(model, unset)
+    need = engine.capacity_for(encode_prompts(model, recipe.load_prompts()))  # also checks the model's context
+    if max_seq_len is not None:
+        capacity, source_of = max_seq_len, "--max-seq-len"
+    elif asked is not None:
+        capacity, source_of = asked, "the recipe's generation.max_seq_len"
+    else:
+        capacity, source_of = need, "what the recipe's prompts need"
+    if capacity < need:
+        raise UserError(f"{source_of} {capacity} is shorter than the recipe's longest working sequence ({need} "
+                        "positions: prompt plus max_new_tokens, rounded up to a block)")
+    limit = model.config.max_position_embeddings
+    if capacity > limit:
+        raise UserError(f"{source_of} {capacity} exceeds the model's context ({limit} positions)")
     buckets = recipe.buckets or default_buckets(recipe.batch_size)
     if on_start is not None:
         on_start(len(set(buckets) | ({1} if not model.bidirectional else set())))
     export_model(model, out, block=engine.block, capacity=capacity, buckets=buckets, backend=backend,
                  on_bucket=on_bucket)
-    return json.loads((out / EXPORT_FILE).read_text())
+    return json.loads((out / EXPORT_FILE).read_text()) | {"capacity_from": source_of}

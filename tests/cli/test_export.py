@@ -1,13 +1,19 @@
-"""`compiledllm export` (AOTInductor, CPU and CUDA): the exported engine gives the same tokens as the eager one."""
+"""`compiledllm export` (AOTInductor, CPU and CUDA): the exported engine gives the same tokens as the eager one, its
+bucket packages share one weights file, its KV capacity is an export option, and a run needing more says so.
+
+Compiling is slow on the CPU: one export (two buckets) per device serves every test here (a module fixture)."""
 from __future__ import annotations
 
 import json
+import shutil
+import zipfile
 
 import pytest
 import torch
 import yaml
 from checkpoints import write_checkpoint, write_tokenizer
 from typer.testing import CliRunner
+from user_errors import assert_user_error
 
 from compiledllm.cli import app
 
@@ -15,40 +21,118 @@ runner = CliRunner()
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="exporting for CUDA needs a CUDA device")
+CAPACITY = 40  # --max-seq-len: more than the recipe's generation.max_seq_len, which the option overrides
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
-def test_exported_engine_matches_eager(tmp_path, device):
-    ckpt = write_checkpoint(tmp_path / "m", "llada2", 3)
+def write_recipe(path, **changes):
+    path.write_text(yaml.safe_dump(changes))
+    return path
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def exported(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"export_{request.param}")
+    ckpt = write_checkpoint(tmp / "m", "llada2", 3)
     write_tokenizer(ckpt)  # the exported engine carries the tokenizer: text prompts still work
-    recipe = {"model": {"path": str(ckpt), "device": device},
+    recipe = {"model": {"path": str(ckpt), "device": request.param},
               "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},
               "generation": {"max_new_tokens": 9, "max_seq_len": 32},
               "prompts": [{"ids": [5, 6, 7]}, {"ids": list(range(10, 19))}, {"text": "the quick brown fox"}],
-              "batch_size": 1, "buckets": [1], "output": str(tmp_path / "eager.jsonl")}
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "exp")])
+              "batch_size": 2, "buckets": [1, 2], "output": str(tmp / "eager.jsonl")}
+    path = write_recipe(tmp / "r.yaml", **recipe)
+    res = runner.invoke(app, ["export", str(path), "--out", str(tmp / "exp"), "--max-seq-len", str(CAPACITY)])
     assert res.exit_code == 0, res.output
-    meta = json.loads((tmp_path / "exp" / "compiledllm_export.json").read_text())
-    assert meta["buckets"] == [1] and meta["capacity"] == 32 and meta["block_size"] == 4
-    assert runner.invoke(app, ["run", str(path)]).exit_code == 0
-    untrusted = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp_path / 'exp'}"])
+    return tmp, path, recipe, res.output
+
+
+@pytest.mark.slow
+def test_exported_engine_matches_eager(exported):
+    tmp, path, _, output = exported
+    meta = json.loads((tmp / "exp" / "compiledllm_export.json").read_text())
+    assert meta["buckets"] == [1, 2] and meta["capacity"] == CAPACITY and meta["block_size"] == 4
+    assert f"KV capacity {CAPACITY} positions (--max-seq-len" in " ".join(output.split())
+    same_kv = ["--set", f"generation.max_seq_len={CAPACITY}"]  # tokens are batch invariant for a given capacity
+    assert runner.invoke(app, ["run", str(path), *same_kv]).exit_code == 0
+    untrusted = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp / 'exp'}"])
     assert untrusted.exit_code == 2 and "trust" in untrusted.output  # an exported engine runs native code
-    res = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp_path / 'exp'}", "--trust-exported",
-                              "--set", f"output={tmp_path / 'aoti.jsonl'}"])
-    if device == "cuda" and res.exit_code == 2 and "crashes" in res.output:  # torch's loader, not this package
+    res = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp / 'exp'}", "--trust-exported",
+                              "--set", f"output={tmp / 'aoti.jsonl'}"])
+    if exported[2]["model"]["device"] == "cuda" and res.exit_code == 2 and "crashes" in res.output:  # torch's loader
         pytest.xfail(" ".join(res.output.split()))
     assert res.exit_code == 0, res.output
 
     def rows(name):
         return {r["index"]: (r["output_ids"], r["steps"], r["text"])
-                for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+                for r in map(json.loads, (tmp / name).read_text().splitlines())}
 
     eager, aoti = rows("eager.jsonl"), rows("aoti.jsonl")
     assert eager == aoti and len(eager) == 3
     assert len({tuple(ids) for ids, _, _ in eager.values()}) > 1  # real, varied outputs
+
+
+@pytest.mark.slow
+def test_bucket_packages_share_one_weights_file(exported):
+    tmp = exported[0]
+    exp = tmp / "exp"
+    meta = json.loads((exp / "compiledllm_export.json").read_text())
+    weights = exp / meta["weights"]["file"]
+    packages = sorted(exp.glob("*.pt2"))
+    assert [p.name for p in packages] == sorted(meta["files"].values()) and len(packages) == 2
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(weights))
+    assert set(tensors) == set(meta["weights"]["tensors"])
+    assert sum(t.nbytes for t in tensors.values()) <= weights.stat().st_size  # every weight, once
+    probe = tensors["model.embed.weight"].flatten()[:16].numpy().tobytes()  # 64 distinctive bytes
+    assert weights.read_bytes().count(probe) == 1
+    for p in packages:  # no copy of the weights inside any package, compressed or not
+        assert probe not in p.read_bytes()
+        with zipfile.ZipFile(p) as z:
+            assert all(probe not in z.read(n) for n in z.namelist())
+
+
+@pytest.mark.slow
+def test_a_run_longer_than_the_export_says_to_export_again(exported):
+    tmp = exported[0]
+    long = write_recipe(tmp / "long.yaml", model={"path": str(tmp / "exp"), "trust_exported": True,
+                                                  "device": exported[2]["model"]["device"]},
+                        policy={"name": "t2t", "block_size": 4, "threshold": 0.5},
+                        generation={"max_new_tokens": 9}, prompts=[{"ids": list(range(5, 45))}], batch_size=2)
+    res = runner.invoke(app, ["run", str(long), "--set", "output=null"])
+    if res.exit_code == 2 and "crashes" in res.output:
+        pytest.xfail(" ".join(res.output.split()))
+    assert_user_error(res, f"KV capacity is {CAPACITY}", "needs 52", "export the recipe again with --max-seq-len 52")
+
+
+@pytest.mark.slow
+def test_weights_that_disagree_with_the_metadata_are_refused_before_running(exported):
+    from compiledllm.errors import UserError
+    from compiledllm.export import load_exported
+
+    tmp = exported[0]
+    bad = tmp / "bad"
+    shutil.copytree(tmp / "exp", bad, dirs_exist_ok=True)
+    meta = json.loads((bad / "compiledllm_export.json").read_text())
+    meta["weights"]["tensors"]["model.norm.weight"]["shape"] = [3]
+    (bad / "compiledllm_export.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"model\.norm\.weight is float32 \[\d+\], the metadata says float32 \[3\]"):
+        load_exported(bad)
+    meta["weights"]["file"] = "../elsewhere.safetensors"
+    (bad / "compiledllm_export.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="weights.file .* lies outside the export directory"):
+        load_exported(bad)
+    meta["format"] = 2
+    (bad / "compiledllm_export.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="export format 2, this compiledllm reads 3"):
+        load_exported(bad)
+
+
+def test_export_capacity_shorter_than_the_prompts_is_a_one_line_error(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", model={"path": "tiny-llada2-random"}, prompts=[{"ids": list(range(20))}],
+                        policy={"name": "threshold", "block_size": 8}, generation={"max_new_tokens": 4})
+    res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "x"), "--max-seq-len", "16"])
+    assert_user_error(res, "--max-seq-len 16", "(24 positions")
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
 
 def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
@@ -58,9 +142,8 @@ def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
         pytest.skip("torch_tensorrt is installed here; this test covers machines without it")
     except ImportError:
         pass
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"model": {"path": "tiny-llada2-random"}, "prompts": [{"ids": [1, 2]}],
-                                    "generation": {"max_new_tokens": 4}}))
+    path = write_recipe(tmp_path / "r.yaml", model={"path": "tiny-llada2-random"}, prompts=[{"ids": [1, 2]}],
+                        generation={"max_new_tokens": 4})
     res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "x"), "--backend", "tensorrt"])
     assert res.exit_code == 2 and "torch_tensorrt" in res.output and "Traceback" not in res.output
 

@@ -366,13 +366,15 @@ def export_meta(tmp_path_factory) -> dict:
     model = compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("m"), "sdar", 0))
     return {"format": FORMAT, "torch": torch.__version__, "config": dataclasses.asdict(model.config),
             "dtype": "float32", "device": "cpu", "block_size": 4, "capacity": 32, "buckets": [1],
-            "files": {"1": "step_b1.pt2"}}
+            "files": {"1": "step_b1.pt2"},
+            "weights": {"file": "weights.safetensors", "tensors": {"w": {"dtype": "float32", "shape": [2]}}}}
 
 
 def fake_export(tmp_path: Path, meta: dict) -> Path:
     out = tmp_path / "exp"
     out.mkdir()
     (out / "step_b1.pt2").write_bytes(b"PK not a package")
+    save_file({"w": torch.zeros(2)}, str(out / "weights.safetensors"))
     (out / EXPORT_FILE).write_text(json.dumps(meta))
     return out
 
@@ -409,6 +411,10 @@ def test_a_trusted_damaged_package_is_one_line(tmp_path, export_meta):
     ({"config.vocab_size": "96"}, "config: vocab_size must be an integer"),
     ({"config.bogus": 1}, "config: got an unexpected keyword argument 'bogus'"),
     ({"config.mask_token_id": EOS_ID}, "must be two different ids"),
+    ({"weights": "weights.safetensors"}, "weights must be {file, tensors}"),
+    ({"weights.file": "../weights.safetensors"}, "weights.file = '../weights.safetensors' lies outside"),
+    ({"weights.tensors": {"w": {"dtype": "pickle", "shape": [2]}}}, "weights.tensors['w'] must be {dtype, shape}"),
+    ({"weights.tensors": {"w": {"dtype": "float32", "shape": [-1]}}}, "weights.tensors['w'] must be"),
 ])
 def test_export_metadata_is_checked_before_any_package_loads(tmp_path, export_meta, monkeypatch, change, needle):
     def never(path):
