@@ -2,39 +2,115 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
+from rich.text import Text
 
 from compiledllm.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve block diffusion language models.")
-console = Console()
-err_console = Console(stderr=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run, evaluate, profile and export block diffusion language models (LLaDA2, SDAR, LLaDA).")
+console = Console()                 # tables and reports (silent under --quiet)
+err_console = Console(stderr=True)  # progress bars (silent under --quiet)
+alerts = Console(stderr=True)       # errors and interruptions: always shown
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 TRUST_HELP = ("Allow model.path to be an exported engine: loading one runs its native code (same as the recipe key "
               "model.trust_exported: true).")
 
 
-def trusting(overrides: list[str] | None, trust_exported: bool) -> list[str]:
-    return [*(overrides or []), *(["model.trust_exported=true"] if trust_exported else [])]
+THREADS_HELP = ("torch's CPU threads (same as the recipe key threads; default: the cores not busy with other work "
+                "when the run starts).")
+
+
+def trusting(overrides: list[str] | None, trust_exported: bool = False, threads: int | None = None) -> list[str]:
+    """The --set overrides plus those of --trust-exported and --threads (command-line flags win)."""
+    return [*(overrides or []), *(["model.trust_exported=true"] if trust_exported else []),
+            *([f"threads={threads}"] if threads is not None else [])]
 
 
 def fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    alerts.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
+class _StderrLog(logging.Handler):
+    """Log records to whatever sys.stderr is when they are emitted (above a progress bar while one shows)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001  (logging's own convention: report, never raise)
+            self.handleError(record)
+
+
+def configure_logging(level: str) -> None:
+    """The `compiledllm` logger at `level`, to stderr; torch's loggers at warning or above (TORCH_LOGS, where set,
+    decides those instead)."""
+    log = logging.getLogger("compiledllm")
+    if not any(isinstance(h, _StderrLog) for h in log.handlers):
+        handler = _StderrLog()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(LOG_LEVELS[level])
+    log.propagate = False  # not twice where the root logger has a handler too
+    if "TORCH_LOGS" not in os.environ:
+        import torch  # noqa: F401  (its import sets its loggers up: set the level after it)
+
+        logging.getLogger("torch").setLevel(max(LOG_LEVELS[level], logging.WARNING))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from compiledllm import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the package version and exit."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars and no tables; errors are still "
+                               "shown and output files still written."),
+    log_level: str = typer.Option("warning", "--log-level", metavar="LEVEL",
+                                  help="debug, info, warning or error: what the compiledllm logger shows on stderr "
+                                  "(torch's loggers stay at warning or above; TORCH_LOGS sets those)."),
+) -> None:
+    console.quiet = err_console.quiet = quiet  # set on every invocation: nothing carries over to the next one
+    level = log_level.lower()
+    if level not in LOG_LEVELS:
+        fail(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    configure_logging(level)
+
+
+def progress(*columns) -> Progress:
+    """A transient progress display on stderr; none under --quiet."""
+    return Progress(*columns, console=err_console, transient=True, disable=err_console.quiet)
+
+
+def compact_table(title: str) -> Table:
+    """A table without side borders or doubled padding, so that a row of numbers fits 80 columns."""
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+
+
 def summary_table(summary) -> Table:
-    table = Table(title=f"{summary.model} · {summary.policy} · {summary.device}")
-    for col in ("prompts", "tokens", "forwards", "tokens/forward", "tokens/s", "wall s", "load s", "startup s"):
-        table.add_column(col, justify="right")
+    threads = f" · {summary.threads} threads" if summary.device == "cpu" and summary.threads else ""
+    table = compact_table(f"{summary.model} · {summary.policy} · {summary.device}{threads}")
+    for col in ("prompts", "tokens", "forwards", "tokens per\nforward", "tokens/s", "wall s", "load s", "startup s"):
+        table.add_column(col, justify="right", no_wrap=True)
     table.add_row(str(summary.prompts), str(summary.tokens), str(summary.forwards),
                   f"{summary.tokens_per_forward:.2f}", f"{summary.tokens_per_s:.1f}", f"{summary.wall_s:.2f}",
                   f"{summary.load_s:.2f}", f"{summary.startup_s:.2f}")
@@ -47,64 +123,81 @@ def run(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Results JSONL (overrides the recipe's output)."),
     trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
-    """Decode every prompt of RECIPE; write one JSON line per prompt and print a summary."""
+    """Decode every prompt of RECIPE; write one JSON line per prompt (in prompt order) and print a summary."""
     from compiledllm.recipe import load_recipe
     from compiledllm.runner import RunInterrupted, execute, result_record
 
     try:
-        rec = load_recipe(recipe, trusting(set_, trust_exported))
+        rec = load_recipe(recipe, trusting(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
-        with Progress(TextColumn("[bold]decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err_console, transient=True) as progress:
-            task = progress.add_task("decode", total=None)
+        with progress(TextColumn("[bold]decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn()) as bar:
+            task = bar.add_task("decode", total=None)
             results, summary = execute(
-                rec, on_start=lambda n: progress.update(task, total=n),
-                on_result=lambda r: progress.advance(task), output=out, inputs=[recipe])
+                rec, on_start=lambda n: bar.update(task, total=n),
+                on_result=lambda r: bar.advance(task), output=out, inputs=[recipe])
     except UserError as e:
         fail(str(e))
     except RunInterrupted as e:
         kept = f"kept {e.kept} finished results in {e.path}" if e.path else f"{e.kept} results had finished"
-        err_console.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False)
+        alerts.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False,
+                     soft_wrap=True)
         raise typer.Exit(130)
     if out is None:
         for r in results:
             sys.stdout.write(json.dumps(result_record(r)) + "\n")
     else:
-        console.print(f"wrote {len(results)} results to {out} (summary: {out.with_suffix('.summary.json')})")
+        console.print(f"wrote {len(results)} results to {out}, in prompt order "
+                      f"(summary: {out.with_suffix('.summary.json')})", highlight=False, soft_wrap=True)
     console.print(summary_table(summary))
 
 
 @app.command()
 def profile(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    out: Path = typer.Option(Path("profile"), "--out", help="Folder for trace.json, profile.json, profile.png."),
+    out: Path = typer.Option(Path("profile"), "--out", help="Folder for trace.json.gz, profile.json, profile.png."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
+    record_steps: int = typer.Option(5, "--record-steps", min=1, help="Steps torch.profiler records in the trace "
+                                     "(after skipping one and warming up one); the whole run is timed per phase."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
-    """Run RECIPE eagerly under torch.profiler; print where a step's time goes, per phase."""
-    from compiledllm.profiler import profile_recipe
+    """Run RECIPE eagerly, profiled; print where the run's time goes, per phase, and write a short trace."""
+    from compiledllm.profiler import MODE, STEPS_MEANING, profile_recipe, title
 
     try:
         if out.exists() and not out.is_dir():
-            raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json, profile.json, profile.png)")
-        table, summary, chart, ops = profile_recipe(recipe, out, set_)
+            raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json.gz, profile.json, "
+                            "profile.png)")
+        res = profile_recipe(recipe, out, trusting(set_, threads=threads), record_steps)
     except UserError as e:
         fail(str(e))
-    t = Table(title=f"{summary.model} · {summary.policy} · {summary.device} · {summary.forwards} steps")
-    for col in ("phase", "total ms", "ms / step", "ms / block", "share"):
+    t = Table(title=title(res.summary, res.steps), caption=f"a step: one of the {res.steps} {STEPS_MEANING}; "
+              f"share: of the {res.summary.wall_s * 1000:.0f} ms run ({MODE})")
+    for col in ("phase", "total ms", "ms / step", "share"):
         t.add_column(col, justify="left" if col == "phase" else "right")
-    for r in table:
-        t.add_row(r.phase, f"{r.total_ms:.1f}", f"{r.per_step_ms:.3f}", f"{r.per_block_ms:.2f}", f"{r.share:.1%}")
+    for r in res.rows:
+        per_step = "run total" if r.per_step_ms is None else f"{r.per_step_ms:.3f}"
+        t.add_row(r.phase, f"{r.total_ms:.1f}", per_step, f"{r.share:.1%}")
     console.print(t)
-    k = Table(title="largest kernels of the whole run (prefill included)" if summary.device.startswith("cuda")
-              else "largest CPU ops of the whole run (prefill included)")
+    what = "kernels" if res.summary.device.startswith("cuda") else "CPU ops"
+    k = Table(title=f"largest {what} of the {res.recorded_steps} recorded steps")
     for col in ("name", "calls", "total ms"):
-        k.add_column(col, justify="left" if col == "name" else "right", overflow="ellipsis", max_width=70)
-    for o in ops[:10]:
+        k.add_column(col, justify="left" if col == "name" else "right", overflow="ellipsis", max_width=70,
+                     no_wrap=True)
+    for o in res.ops[:10]:
         k.add_row(o["name"], str(o["calls"]), f"{o['total_ms']:.1f}")
-    console.print(k)
-    console.print(f"trace: {out / 'trace.json'}   report: {out / 'profile.json'}")
-    console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for matplotlib)")
+    if res.ops:
+        console.print(k)
+    if res.gpu_busy_ms is not None and res.recorded_steps:
+        console.print(f"GPU busy {res.gpu_busy_ms / res.recorded_steps:.2f} ms per recorded step (kernels only; the "
+                      f"run's wall time per step is {res.summary.wall_s * 1000 / res.steps:.2f} ms: the rest is host "
+                      "work and launch gaps)")
+    trace = res.trace or f"none (the run's {res.steps} steps ended before the recorded ones)"
+    console.print(f"trace: {trace}   report: {out / 'profile.json'}")
+    console.print(f"chart: {res.chart}" if res.chart else "chart: skipped (pip install 'compiledllm[plot]' for "
+                  "matplotlib)")
 
 
 @app.command()
@@ -113,8 +206,12 @@ def export(
     out: Path = typer.Option(..., "--out", help="Folder for the exported engine."),
     backend: str = typer.Option("aoti", "--backend", help="aoti (AOTInductor) or tensorrt."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", min=1, help="KV capacity per slot, fixed in "
+                                              "the export (default: the recipe's generation.max_seq_len, else what "
+                                              "its prompts need)."),
 ) -> None:
-    """Package the recipe's step forwards (one per batch bucket) for `compiledllm run` (model.path: OUT)."""
+    """Package the recipe's step forwards (one per batch bucket, sharing one weights file) for `compiledllm run`
+    (model.path: OUT)."""
     from compiledllm.export.trace import export_recipe
 
     try:
@@ -126,12 +223,14 @@ def export(
         with Progress(TextColumn("[bold]exporting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as progress:
             task = progress.add_task("export", total=None)
-            meta = export_recipe(recipe, out, backend, set_, on_start=lambda n: progress.update(task, total=n),
+            meta = export_recipe(recipe, out, backend, set_, max_seq_len,
+                                 on_start=lambda n: progress.update(task, total=n),
                                  on_bucket=lambda b: progress.advance(task))
     except UserError as e:
         fail(str(e))
-    console.print(f"exported buckets {meta['buckets']} (block {meta['block_size']}, KV capacity {meta['capacity']}) "
-                  f"to {out}; run it with --set model.path={out}")
+    console.print(f"exported buckets {meta['buckets']} (block {meta['block_size']}) to {out}; KV capacity "
+                  f"{meta['capacity']} positions ({meta['capacity_from']}; longer runs need --max-seq-len N); run it "
+                  f"with --set model.path={out} --trust-exported")
 
 
 @app.command()
@@ -142,11 +241,22 @@ def version() -> None:
     console.print(__version__)
 
 
+EVAL_LEGEND = """\
+EM        exact match of the continuation with the reference (share of tasks)
+tok acc   share of the reference tokens matched, position by position
+prefix    mean length of the matching prefix, in tokens
+agree     token agreement: positions equal to the reference policy's output
+agree EM  share of tasks whose output equals the reference policy's output
+forwards  decoding forwards of the model (prefill is not counted)
+tok/fwd   generated tokens per forward
+tok/s     generated tokens per second of decoding (compile time excluded)"""
+
+
 def eval_table(name: str, entry: dict) -> Table:
-    table = Table(title=f"{name} · {entry['tasks']} tasks · {entry['max_new_tokens']} new tokens · "
-                        f"agreement with {entry['reference']}")
-    table.add_column("policy", no_wrap=True)
-    for col in ("EM", "tok acc", "prefix", "agree", "agree EM", "forwards", "tok/fwd", "tok/s"):
+    table = compact_table(f"{name} · {entry['tasks']} tasks · {entry['max_new_tokens']} new tokens · "
+                          f"agreement with {entry['reference']}")
+    table.add_column("policy", overflow="fold")  # a long label wraps; nothing is cut
+    for col in ("EM", "tok\nacc", "prefix", "agree", "agree\nEM", "forwards", "tok/\nfwd", "tok/s"):
         table.add_column(col, justify="right", no_wrap=True)
     for label, m in entry["policies"].items():
         table.add_row(label, f"{m['exact_match']:.3f}", f"{m['token_accuracy']:.3f}", f"{m['prefix_tokens']:.2f}",
@@ -161,29 +271,80 @@ def eval_(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report JSON (overrides the recipe's output)."),
     trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
-    """Decode every task of RECIPE with each policy; print quality and speed per policy and write a JSON report."""
-    from compiledllm.evaluate import load_eval_recipe, run_eval
+    """Decode every task of RECIPE with each policy; print quality and speed per policy and write a JSON report.
 
-    from compiledllm.outputs import check_output, write_atomic
+    A legend below the tables explains the columns.
 
+    Ctrl-C keeps the policies that finished in <stem>.partial.json beside the output (which stays unchanged).
+    """
+    from compiledllm.evaluate import EvalInterrupted, load_eval_recipe, run_eval
+    from compiledllm.outputs import check_output, partial_path, write_atomic
+
+    out, stopped = None, False
     try:
-        rec = load_eval_recipe(recipe, trusting(set_, trust_exported))
+        rec = load_eval_recipe(recipe, trusting(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
         if out is not None:  # before the evaluation, not after it
             check_output(out, [recipe, *(rec.resolve(t) for t in rec.tasks)], "eval output")
-        with Progress(TextColumn("[bold]eval[/] {task.description}"), TimeElapsedColumn(), console=err_console,
-                      transient=True) as progress:
-            task = progress.add_task("loading", total=None)
-            report = run_eval(rec, on_progress=lambda s: progress.update(task, description=s))
+        with progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()) as bar:
+            task = bar.add_task("loading the model", total=None)
+            try:
+                report = run_eval(rec, on_progress=lambda s: bar.update(task, description=s),
+                                  on_start=lambda n: bar.update(task, total=n), on_result=lambda r: bar.advance(task))
+            except EvalInterrupted as e:
+                report, stopped = e.report, True
         if out is not None:
-            write_atomic(out, json.dumps(report, indent=2) + "\n", "eval output")
+            write_atomic(partial_path(out) if stopped else out, json.dumps(report, indent=2) + "\n", "eval output")
     except UserError as e:
         fail(str(e))
-    for name, entry in report["files"].items():
-        console.print(eval_table(name, entry))
+    except KeyboardInterrupt:  # before the first decode began
+        alerts.print("interrupted before any policy finished; nothing was written"
+                     + (f" ({out} is unchanged)" if out else ""), highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
+    if out is None or not stopped:
+        for name, entry in report["files"].items():
+            if entry["policies"]:
+                console.print(eval_table(name, entry))
+        console.print(Text(EVAL_LEGEND, style="dim"))
+    if stopped:
+        done = sum(len(entry["policies"]) for entry in report["files"].values())
+        runs = f"{done} finished policy run{'s' * (done != 1)}"
+        alerts.print(f"interrupted: kept the {runs} in {partial_path(out)}; {out} is unchanged" if out is not None
+                     else f"interrupted: {runs} (above); nothing was written", highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
     if out is not None:
-        console.print(f"wrote {out}")
+        console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+
+
+recipe_app = typer.Typer(no_args_is_help=True, help="Inspect recipes.")
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("show")
+def recipe_show(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file (a run or an eval recipe)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
+    eval_recipe: bool = typer.Option(False, "--eval", help="Read RECIPE as an eval recipe (default: when it has "
+                                     "`tasks`)."),
+) -> None:
+    """Print RECIPE as it is read, as YAML: every default written out, the policy's parameters included."""
+    from compiledllm.evaluate import load_eval_recipe, resolved_eval_recipe
+    from compiledllm.recipe import MAX_RECIPE_BYTES, dump_recipe, load_recipe, parse_yaml, read_text, resolved_recipe
+
+    try:
+        raw = parse_yaml(read_text(recipe, "recipe", MAX_RECIPE_BYTES), str(recipe))
+        is_eval = eval_recipe or (isinstance(raw, dict) and "tasks" in raw)
+        data = (resolved_eval_recipe(load_eval_recipe(recipe, set_)) if is_eval
+                else resolved_recipe(load_recipe(recipe, set_)))
+    except UserError as e:
+        fail(str(e))
+    files = "tasks" if is_eval else "prompts_file"
+    sys.stdout.write(f"# {recipe} as `compiledllm {'eval' if is_eval else 'run'}` reads it, every default written "
+                     f"out\n# relative paths: {files} from the recipe's folder, model.path and output from the "
+                     f"working directory\n{dump_recipe(data)}")
 
 
 def main() -> None:

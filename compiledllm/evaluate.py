@@ -19,6 +19,7 @@ names another (by label or index).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from compiledllm.errors import UserError
 from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, read_text
+from compiledllm.threads import set_threads
 
 TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -49,6 +52,7 @@ class EvalRecipe(_Strict):
     cuda_graphs: bool = True                                    # on CUDA: capture the step per batch bucket
     save_outputs: bool = False                                  # include every generated token list in the JSON
     output: str | None = Field(default="eval_results.json", min_length=1)
+    threads: int | None = Field(default=None, ge=1)              # torch's CPU threads (default: threads.py)
     base_dir: str = Field(default=".", exclude=True)
 
     @model_validator(mode="after")
@@ -237,6 +241,7 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     stats = [r.extra for r in results if r.extra]
     if stats:  # the policy's own statistics (Policy.report), summed over the tasks
         metrics[label]["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
+    log.info("%s: %d tasks, %d tokens in %d forwards, %.2f s", label, len(tasks), tokens, forwards, wall)
 
 
 def load_eval_recipe(source: str | Path | dict | EvalRecipe, overrides: list[str] | None = None) -> EvalRecipe:
@@ -255,11 +260,13 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
 
     rec = load_eval_recipe(recipe, overrides)
     m = rec.model
+    threads = set_threads(rec.threads)
     t0 = time.perf_counter()
     if model is None:
         model = load_from_spec(m)
     report = {"model": m.name, "device": str(model.device), "dtype": m.dtype, "batch_size": rec.batch_size,
-              "load_s": time.perf_counter() - t0, "files": {}}
+              "threads": threads, "load_s": time.perf_counter() - t0, "files": {}}
+    log.info("model %s on %s ready in %.2f s", m.name, model.device, report["load_s"])
     files = [(path, rec.resolve(path)) for path in rec.tasks]
     loaded = [load_tasks(file, model.tokenizer, rec.tokens, rec.limit) for _, file in files]
     if on_start is not None:
@@ -284,6 +291,19 @@ def _entry(path: str, res: dict, save_outputs: bool) -> dict:
     return entry
 
 
+def resolved_eval_recipe(recipe: EvalRecipe) -> dict:
+    """The eval recipe as `load_eval_recipe` sees it: every default written out, each policy's too, with its label
+    (the label of the parameters as given, so that it stays the same) and the reference by label."""
+    from compiledllm.recipe import resolved_policy
+
+    labels = policy_labels(recipe.policies)
+    data = recipe.model_dump(mode="json")
+    data["policies"] = [{"label": lb, **resolved_policy({k: v for k, v in p.items() if k != "label"})}
+                        for lb, p in zip(labels, recipe.policies)]
+    data["reference"] = labels[reference_index(recipe.reference, labels)]
+    return data
+
+
 def quality_numbers(report: dict) -> dict:
     """The report without timings: what must be identical when the same eval runs twice."""
     return {name: {label: {k: v for k, v in met.items() if k not in TIMING_KEYS}
@@ -291,4 +311,4 @@ def quality_numbers(report: dict) -> dict:
 
 
 __all__ = ["EvalInterrupted", "EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
-           "continuation_scores", "agreement_scores"]
+           "continuation_scores", "agreement_scores", "resolved_eval_recipe"]

@@ -227,46 +227,6 @@ def test_special_ids_resolution_order(tmp_path):
     assert model.tokenizer.decode(model.tokenizer.encode("hello world")) == "hello world"
 
 
-def test_profile_writes_trace_report_and_chart(tmp_path):
-    res = run_cli("profile", write_recipe(tmp_path), "--out", tmp_path / "prof")
-    assert res.exit_code == 0, res.output
-    report = json.loads((tmp_path / "prof" / "profile.json").read_text())
-    phases = {r["phase"]: r for r in report["phases"]}
-    assert {"attention", "moe", "mlp", "projections", "head", "acceptance"} <= set(phases)
-    assert 0 < report["steps"] <= report["summary"]["forwards"]  # engine steps; forwards count each slot's
-    assert all(r["total_ms"] >= 0 for r in phases.values()) and phases["attention"]["total_ms"] > 0
-    ops = report["top_cpu_ops"]
-    assert ops and all(a["total_ms"] >= b["total_ms"] > 0 for a, b in zip(ops, ops[1:]))
-    assert any(o["name"] == "aten::mm" or o["name"] == "aten::addmm" for o in ops)
-    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
-    assert (tmp_path / "prof" / "profile.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_profile_attributes_each_cuda_kernel_once():
-    """On CUDA a labelled range also shows up as a device-side annotation spanning its kernels' GPU wall time:
-    only the CPU range counts, and busy time counts each kernel once (synthetic profiler events)."""
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
-
-    from compiledllm.profiler import busy_ms, phase_times
-
-    def event(i, name, start, end, device=DeviceType.CPU):
-        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, use_device="cuda",
-                             device_type=device)
-
-    attn, inner = event(1, "phase::attention", 0, 100), event(2, "aten::mm", 10, 20)
-    inner.append_kernel("gemm", 0, 30.0)
-    attn.append_kernel("attn_kernel", 0, 50.0)
-    inner.set_cpu_parent(attn)
-    attn.append_cpu_child(inner)
-    loose = event(3, "aten::add", 120, 130)
-    loose.append_kernel("add", 0, 5.0)
-    span = event(4, "phase::attention", 0, 400, DeviceType.CUDA)  # the GPU-side annotation: a 400 us span
-    events = [attn, inner, loose, span]
-    assert phase_times(events, cuda=True)["attention"] == pytest.approx(0.080)
-    assert busy_ms(events) == pytest.approx(0.085)
-
-
 def test_output_into_new_folder_and_unwritable_output(tmp_path):
     res = run_cli("run", write_recipe(tmp_path), "--output", tmp_path / "new" / "dir" / "r.jsonl")
     assert res.exit_code == 0 and (tmp_path / "new" / "dir" / "r.jsonl").exists(), res.output
@@ -283,3 +243,98 @@ def test_flowblock_runs_from_a_recipe_with_its_statistics(tmp_path, name):
     assert len(rows) == 2 and all(r["output_ids"] for r in rows)
     assert all(set(r["policy_stats"]) == {"front_drafts", "down_drafts", "front_edits", "down_edits"} for r in rows)
     assert_user_error(run_cli("run", write_recipe(tmp_path, policy={**pol, "readiness": "later"})), "readiness")
+
+
+# ---- global options, tables at 80 columns, recipe show ---------------------------------------------------
+
+def rendered(table) -> str:
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(table)
+    return console.export_text()
+
+
+def test_summary_table_fits_80_columns():
+    from compiledllm.cli import summary_table
+    from compiledllm.runner import Summary
+
+    summary = Summary(model="tiny-llada2", policy="threshold", device="cuda:0", prompts=1024, tokens=2_621_440,
+                      forwards=1_048_576, tokens_per_forward=2.5, wall_s=12345.67, tokens_per_s=21234.5,
+                      load_s=123.45, startup_s=1234.56, compile=True)
+    text = rendered(summary_table(summary))
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    for word in ("prompts", "tokens", "forwards", "per", "forward", "tokens/s", "wall s", "load s", "startup s",
+                 "2621440", "1048576", "21234.5", "12345.67", "1234.56"):
+        assert word in text, (word, text)
+
+
+def test_version_option_and_command():
+    from compiledllm import __version__
+
+    for args in (["--version"], ["--version", "run", "missing.yaml"], ["version"]):
+        res = run_cli(*args)
+        assert res.exit_code == 0 and res.output.strip() == __version__, (args, res.output)
+
+
+def test_help_names_what_the_tool_does():
+    res = run_cli("--help")
+    assert res.exit_code == 0 and "Run, evaluate, profile and export" in res.output
+    assert "Serve" not in res.output
+
+
+@pytest.mark.parametrize("level", ["loud", "", "WARN"])
+def test_bad_log_level_is_one_line(level):
+    assert_user_error(run_cli("--log-level", level, "version"), "--log-level", repr(level))
+
+
+def test_log_level_sets_the_compiledllm_logger():
+    import logging
+
+    assert run_cli("--log-level", "DEBUG", "version").exit_code == 0
+    assert logging.getLogger("compiledllm").getEffectiveLevel() == logging.DEBUG
+    assert logging.getLogger("torch._dynamo").getEffectiveLevel() == logging.WARNING  # torch stays quiet
+    assert run_cli("--log-level", "error", "version").exit_code == 0
+    assert logging.getLogger("compiledllm").getEffectiveLevel() == logging.ERROR
+    assert logging.getLogger("torch._inductor").getEffectiveLevel() == logging.ERROR
+    assert run_cli("version").exit_code == 0  # back to the default: nothing carries over
+    assert logging.getLogger("compiledllm").getEffectiveLevel() == logging.WARNING
+
+
+def test_quiet_run_prints_no_table_but_writes_results(tmp_path):
+    res = run_cli("-q", "run", write_recipe(tmp_path), "--set", "generation.max_new_tokens=4")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == "", res.stdout
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    assert_user_error(run_cli("--quiet", "run", tmp_path / "nope.yaml"), "nope.yaml")  # errors still shown
+
+
+def test_recipe_show_round_trips(tmp_path):
+    from compiledllm.recipe import load_recipe, resolved_recipe
+
+    path = write_recipe(tmp_path)
+    data = yaml.safe_load(path.read_text())  # JSON is YAML whose strings are quoted: "1e-3" stays a string
+    path.write_text(json.dumps({**data, "prompts": [{"ids": [3, 4]}, {"text": "1e-3"}, {"text": "yes"}]}))
+    res = run_cli("recipe", "show", path, "--set", "batch_size=3")
+    assert res.exit_code == 0, res.output
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(res.stdout)
+    given = load_recipe(path, ["batch_size=3"])
+    again = load_recipe(shown)
+    assert again.policy_config() == given.policy_config()
+    assert resolved_recipe(again) == resolved_recipe(given)
+    assert again.prompts[1].text == "1e-3" and again.prompts[2].text == "yes"
+    data = yaml.safe_load(res.stdout)  # every default written out, the policy's included
+    assert data["batch_size"] == 3 and data["compile"] is False and data["model"]["dtype"] == "float32"
+    assert data["policy"] == {"name": "threshold", "block_size": 8, "temperature": 0.0, "top_k": None,
+                              "top_p": None, "seed": 0, "threshold": 0.9, "steps": None}
+    assert data["generation"] == {"max_new_tokens": 12, "max_seq_len": None}
+    assert run_cli("recipe", "show", shown).stdout.splitlines()[2:] == res.stdout.splitlines()[2:]
+
+
+def test_recipe_show_errors_are_one_line(tmp_path):
+    assert_user_error(run_cli("recipe", "show", tmp_path / "nope.yaml"), "nope.yaml", "not found")
+    assert_user_error(run_cli("recipe", "show", write_recipe(tmp_path, batch_size=0)), "batch_size")
+    assert_user_error(run_cli("recipe", "show", write_recipe(tmp_path), "--set", "policy.treshold=1"),
+                      "policy.treshold")
+    assert_user_error(run_cli("recipe", "show", write_recipe(tmp_path), "--eval"), "tasks")

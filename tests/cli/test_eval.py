@@ -102,3 +102,150 @@ def test_bad_task_files(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["eval", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "not found" in res.output
+
+
+# ---- the CLI around a decode: progress, legend, 80 columns, quiet, Ctrl-C, recipe show -------------------
+
+def small_eval(tmp_path: Path, **change) -> Path:
+    """Two short tasks, two policies, four new tokens on the random built-in: seconds, not minutes."""
+    import yaml
+
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt_ids": [5 + i, 6, 7, 8], "reference_ids": [9, 10, 11]}) + "\n"
+                             for i in range(2)))
+    recipe = {"model": {"path": "tiny-llada2-random"}, "tasks": [tasks.name], "max_new_tokens": 4,
+              "policies": [{"label": "threshold-0.95", "name": "threshold", "block_size": 4, "threshold": 0.95},
+                           {"label": "t2t", "name": "t2t", "block_size": 4}],
+              "output": str(tmp_path / "report.json"), **change}
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_eval_progress_legend_and_80_columns(tmp_path, monkeypatch):
+    from rich.progress import Progress, TimeRemainingColumn
+
+    import compiledllm.cli as cli
+
+    seen = {"totals": [], "advanced": 0, "descriptions": [], "columns": []}
+
+    class Recording(Progress):
+        def __init__(self, *columns, **kw):
+            seen["columns"] += [type(c) for c in columns]
+            super().__init__(*columns, **kw)
+
+        def update(self, task_id, *, total=None, description=None, **kw):
+            if total is not None:
+                seen["totals"].append(total)
+            if description is not None:
+                seen["descriptions"].append(description)
+            super().update(task_id, total=total, description=description, **kw)
+
+        def advance(self, task_id, advance=1):
+            seen["advanced"] += advance
+            super().advance(task_id, advance)
+
+    monkeypatch.setattr(cli, "Progress", Recording)
+    res = CliRunner().invoke(app, ["eval", str(small_eval(tmp_path))])
+    assert res.exit_code == 0, res.output
+    assert TimeRemainingColumn in seen["columns"]
+    assert seen["totals"] == [4] and seen["advanced"] == 4  # 2 tasks x 2 policies
+    assert seen["descriptions"] == ["t.jsonl: threshold-0.95", "t.jsonl: t2t"]
+    lines = res.stdout.splitlines()
+    assert "…" not in res.stdout and max(map(len, lines)) <= 80, res.stdout  # CliRunner's console: 80 columns
+    for word in ("policy", "EM", "tok", "acc", "prefix", "agree", "forwards", "fwd", "tok/s", "threshold-0.95"):
+        assert word in res.stdout, word
+    for column in ("EM ", "tok acc ", "prefix ", "agree ", "agree EM ", "forwards ", "tok/fwd ", "tok/s "):
+        assert any(line.startswith(column) for line in lines), (column, res.stdout)  # the legend
+    assert "wrote" in res.stdout and json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]
+
+
+def test_eval_table_fits_80_columns():
+    from rich.console import Console
+
+    from compiledllm.cli import EVAL_LEGEND, eval_table
+
+    m = {"exact_match": 1.0, "token_accuracy": 0.875, "prefix_tokens": 12.34, "agreement": 0.999,
+         "agreement_exact": 0.5, "forwards": 123456, "tokens_per_forward": 12.34, "tokens_per_s": 12345.6}
+    entry = {"tasks": 100, "max_new_tokens": 256, "reference": "threshold-0.95",
+             "policies": {"threshold-0.95": m, "flowblock-w2-s0.6": m, "t2t": m}}
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(eval_table("code_short.jsonl", entry))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    for word in ("policy", "EM", "tok", "acc", "prefix", "agree", "forwards", "fwd", "tok/s", "threshold-0.95",
+                 "flowblock-w2-s0.6", "123456", "12345.6", "0.875", "12.34"):
+        assert word in text, (word, text)
+    assert max(map(len, EVAL_LEGEND.splitlines())) <= 80
+
+
+def test_eval_quiet_writes_the_report_and_logs_at_info(tmp_path):
+    res = CliRunner().invoke(app, ["-q", "--log-level", "info", "eval", str(small_eval(tmp_path))])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "", res.stdout  # no tables, no legend, no "wrote"
+    logged = res.output.splitlines()
+    assert logged and all(line.startswith("INFO compiledllm.evaluate: ") for line in logged), res.output
+    assert any("t2t: 2 tasks" in line for line in logged)
+    assert list(json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]["policies"]) == [
+        "threshold-0.95", "t2t"]
+
+
+def test_eval_ctrl_c_keeps_a_partial_report(tmp_path, monkeypatch):
+    from compiledllm.engine import Engine
+
+    generate, calls = Engine.generate, []
+
+    def interrupted_after_the_first_policy(self, prompts, on_result=None):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return generate(self, prompts, on_result=on_result)
+
+    monkeypatch.setattr(Engine, "generate", interrupted_after_the_first_policy)
+    recipe = small_eval(tmp_path)
+    (tmp_path / "report.json").write_text("earlier report\n")
+    res = CliRunner().invoke(app, ["eval", str(recipe)])
+    assert res.exit_code == 130, res.output
+    assert (tmp_path / "report.json").read_text() == "earlier report\n"
+    partial = json.loads((tmp_path / "report.partial.json").read_text())
+    assert partial["interrupted"] is True
+    assert list(partial["files"]["t.jsonl"]["policies"]) == ["threshold-0.95"]
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "report.partial.json" in lines[0] and "unchanged" in lines[0], res.output
+
+    calls.clear()  # no output: the tables of what finished, nothing written
+    res = CliRunner().invoke(app, ["eval", str(recipe), "--set", "output=null"])
+    assert res.exit_code == 130, res.output
+    assert "threshold-0.95" in res.stdout and "agree EM" in res.stdout and "t2t" not in res.stdout
+    assert "interrupted" in res.output and "nothing was written" in res.output
+
+
+def test_recipe_show_eval_round_trips(tmp_path):
+    from compiledllm.evaluate import resolved_eval_recipe
+
+    res = CliRunner().invoke(app, ["recipe", "show", str(RECIPE), "--set", "limit=2"])
+    assert res.exit_code == 0, res.output
+    shown = RECIPE.parent / f".shown-{tmp_path.name}.yaml"  # beside the recipe: its task paths are relative
+    try:
+        shown.write_text(res.stdout)
+        again = load_eval_recipe(shown)
+    finally:
+        shown.unlink()
+    given = load_eval_recipe(RECIPE, ["limit=2"])
+    assert resolved_eval_recipe(again) == resolved_eval_recipe(given)
+    data = resolved_eval_recipe(again)
+    assert [p["label"] for p in data["policies"]] == ["threshold-0.95", "threshold-0.9", "t2t"]
+    assert data["policies"][2] == {"label": "t2t", "name": "t2t", "block_size": 32, "temperature": 0.0,
+                                   "top_k": None, "top_p": None, "seed": 0, "threshold": 0.7,
+                                   "edit_threshold": 0.5, "max_post_steps": 16}
+    assert data["limit"] == 2 and data["batch_size"] == 16 and data["save_outputs"] is False
+
+
+def test_recipe_show_keeps_derived_labels(tmp_path):
+    rec = small_eval(tmp_path, policies=[{"name": "threshold", "block_size": 4}, {"name": "t2t"}], reference=1)
+    res = CliRunner().invoke(app, ["recipe", "show", str(rec)])
+    assert res.exit_code == 0, res.output
+    (tmp_path / "shown.yaml").write_text(res.stdout)
+    again = load_eval_recipe(tmp_path / "shown.yaml")
+    assert [p["label"] for p in again.policies] == ["threshold(block_size=4)", "t2t()"]
+    assert again.reference == "t2t()"
