@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from compiledllm.profiling import PHASES, PhaseClock
 from compiledllm.recipe import Recipe, load_recipe
 from compiledllm.runner import Summary, encode_prompts, load_from_spec, make_summary
+from compiledllm.threads import set_threads
 
 MODE = "eager, profiled"
 RECORD_STEPS = 5
@@ -154,6 +155,7 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
     recipe = recipe.model_copy(update={"compile": False, "cuda_graphs": False})
     specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     out_dir.mkdir(parents=True, exist_ok=True)
+    set_threads(recipe.threads)
     t0 = time.perf_counter()
     model = load_from_spec(recipe.model)
     load_s = time.perf_counter() - t0

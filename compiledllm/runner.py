@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from compiledllm.engine import Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
@@ -13,6 +15,7 @@ from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.outputs import ResultSink, check_output
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
+from compiledllm.threads import set_threads
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Summary:
     load_s: float
     startup_s: float  # compile / CUDA-graph capture before the first step
     compile: bool
+    threads: int = 0  # torch's CPU threads during the run
 
 
 def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
@@ -95,6 +99,7 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     if output is not None:
         check_output(output, [*inputs, *run_inputs(recipe)])
     specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
+    set_threads(recipe.threads)
     t0 = time.perf_counter()
     model = load_from_spec(recipe.model)
     load_s = time.perf_counter() - t0
@@ -142,7 +147,7 @@ def make_summary(recipe: Recipe, model, results: list[GenerationResult], wall: f
     return Summary(model=recipe.model.name, policy=policy_name(recipe.policy_config()), device=str(model.device),
                    prompts=len(results), tokens=tokens, forwards=forwards,
                    tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
-                   load_s=load_s, startup_s=startup_s, compile=recipe.compile)
+                   load_s=load_s, startup_s=startup_s, compile=recipe.compile, threads=torch.get_num_threads())
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | None = None) -> list[GenerationResult]:
