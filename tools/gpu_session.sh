@@ -6,7 +6,7 @@
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
-# versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
+# sampling (tools/bench_sampling.py), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -35,6 +35,10 @@ if has quickstart; then
     timeout 60 python3 -c "from compiledllm.cli import main; main()" run recipes/quickstart.yaml --set model.device=cuda \
       --set model.dtype=bfloat16 --set cuda_graphs=$g --set output=$OUT/quickstart_cuda_graphs_$g.jsonl 2>&1 | tail -6
   done
+fi
+if has sampling; then  # what temperature / top-k / top-p cost: captured steps and end to end, greedy in the same run
+  timeout ${SAMPLING_TIMEOUT:-300} python3 tools/bench_sampling.py --out "$OUT/bench_sampling_h200.json" ${SAMPLING_ARGS:-} \
+    2>&1 | grep -v -i warn | tee "$OUT/bench_sampling.log" | tail -12
 fi
 if has moe; then
   timeout ${MOE_TIMEOUT:-150} python3 tools/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
