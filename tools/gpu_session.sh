@@ -20,7 +20,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py \
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py tests/cli/test_profile.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if has attention; then
