@@ -10,8 +10,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from compiledllm import threads as _threads  # noqa: E402,F401  (OMP_WAIT_POLICY before torch loads)
-
 _LAZY = {
     "load_model": ("compiledllm.loader", "load_model"),
     "run": ("compiledllm.runner", "run"),

@@ -1,21 +1,18 @@
 """CPU threads that survive a busy machine (docs/results.md, "CPU threads").
 
-torch's OpenMP workers wait for each other at the end of every parallel op. With libgomp's default wait (spin a
-while, then sleep) a worker whose core another process holds stalls every small op of a decode step: on a 2-core
-machine with other work running, the quickstart fell from ~100 to 2-3 tokens/s. Two defaults fix that:
-
-* OMP_WAIT_POLICY=PASSIVE (waiting workers sleep at once), set when compiledllm is imported, unless the
-  environment sets it; OpenMP reads it once, when torch loads, so it takes effect when compiledllm is imported
-  first (the CLI always is); the CPU selection extension in ext/ uses the same OpenMP runtime and setting.
-* threads: a recipe key / `--threads`; by default the cores this process may run on that are not busy with other
-  work when the run starts (runnable tasks now, from /proc/loadavg), at least 1, at most torch's own default.
+torch's OpenMP workers wait for each other at the end of every parallel op, spinning for a while first (libgomp's
+default). When the machine is oversubscribed (other multi-threaded work beside the run), a worker whose core
+another process holds stalls every small op of a decode step: with several torch processes on a 2-core machine the
+quickstart fell from ~40 to 2-3 tokens/s with 2 threads, where 1 thread kept ~14. So by default a run takes the
+cores that are not busy when it starts (runnable tasks now, from /proc/loadavg: instantaneous, where the load
+average lags a minute behind), at least 1, at most torch's own default; the `threads` recipe key / `--threads`
+sets it. OMP_WAIT_POLICY is left to the user: PASSIVE (sleep at once) halved the idle quickstart's speed at 2
+threads and did not help under load (tools/bench_threads.py).
 """
 from __future__ import annotations
 
 import os
 import time
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (compiledllm/__init__.py runs this)
 
 
 def busy_cores(samples: int = 10, interval_s: float = 0.01) -> float:

@@ -1,5 +1,3 @@
 """Shared by every test folder: tests/ itself is on sys.path (pytest puts a rootdir conftest's folder there), so
 `checkpoints` (tiny HF checkpoints) and `oracle` (the independent float64 forward and the literal decoder of
 docs/design.md §4) import from any subfolder."""
-
-import compiledllm  # noqa: E402,F401  (sets OpenMP's wait policy before any test module loads torch: threads.py)

@@ -55,14 +55,19 @@ def main() -> None:
     ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/quickstart.yaml")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--busy", type=int, default=None, help="competing busy processes (default: one per core)")
+    ap.add_argument("--loads", default="idle,busy,torch,torch x2", help="comma-separated: idle, busy (plain CPU-bound "
+                    "processes), torch (another torch job on every core), torch x2 (two: oversubscribed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     busy_n = args.busy if args.busy is not None else cores
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        loads = {"idle": [], f"{busy_n} busy processes": [BUSY] * busy_n, "a torch job on every core": [TORCH_JOB]}
-        for load, codes in loads.items():
+        loads = {"idle": [], "busy": [BUSY] * busy_n, "torch": [TORCH_JOB], "torch x2": [TORCH_JOB] * 2}
+        names = {"idle": "idle", "busy": f"{busy_n} busy processes", "torch": "a torch job on every core",
+                 "torch x2": "two torch jobs on every core"}
+        for key in args.loads.split(","):
+            load, codes = names[key], loads[key]
             env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
             procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for code in codes]
             try:

@@ -142,7 +142,7 @@ def cutoff(logits: torch.Tensor, mask_id: int, s: Sampling) -> torch.Tensor | No
     if s.top_p is None:
         return vals[..., -1]
     q = torch.softmax((vals - vals[..., :1]) / s.temperature, dim=-1)  # max first: no overflow at small T
-    kept = ((q.cumsum(-1) - q) < s.top_p).sum(-1, keepdim=True)  # mass before each token < top_p; >= 1
+    kept = ((q.cumsum(-1) - q) < s.top_p).sum(-1, keepdim=True).clamp(min=1)  # >= 1 (0 only for NaN logits)
     return vals.gather(-1, kept - 1)[..., 0]
 
 
@@ -162,6 +162,7 @@ def sampled_confidence(logits: torch.Tensor, mask_id: int, need: torch.Tensor, s
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """`confidence` (policies/base.py) with v drawn instead of the argmax: (v, p) [B, L], p the untempered
     full-vocabulary probability of v; where need is False, v = MASK and p = -1."""
+    logits = torch.where(need[..., None], logits, 0.0)  # rows not needed may be unwritten (the head skips them)
     v = sample(logits, mask_id, s, key)
     p = torch.softmax(logits.float(), dim=-1).gather(-1, v[..., None])[..., 0]
     return torch.where(need, v, mask_id), torch.where(need, p, -1.0)

@@ -1,5 +1,4 @@
-"""CPU threads (compiledllm/threads.py): the wait policy set before torch loads, the `threads` recipe key and
---threads, the default from the idle cores."""
+"""CPU threads (compiledllm/threads.py): the `threads` recipe key and --threads, the default from the idle cores."""
 from __future__ import annotations
 
 import json
@@ -33,14 +32,6 @@ def recipe(tmp_path, **keys):
             "output": str(tmp_path / "out.jsonl")} | keys
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
     return str(tmp_path / "r.yaml")
-
-
-def test_wait_policy_is_passive_unless_the_environment_says_otherwise():
-    code = "import compiledllm, os; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    assert out(env) == "PASSIVE"
-    assert out(env | {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
 
 
 def test_default_counts_the_cores_other_work_leaves_free(monkeypatch):

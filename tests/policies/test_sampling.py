@@ -123,3 +123,17 @@ def test_bad_sampling_settings_are_one_line_errors(key, value, match):
     with pytest.raises(UserError, match=f"policy.{match}") as e:
         policy_config({"name": "threshold", key: value})
     assert "\n" not in str(e.value)
+
+
+def test_rows_not_needed_may_hold_garbage():
+    """The head leaves the rows a policy does not read unwritten on CUDA: NaN / inf there must not reach an index."""
+    from compiledllm.policies.sampling import sampled_confidence
+
+    logits = torch.randn(2, 3, 10)
+    logits[0, 1] = float("nan")
+    logits[1, 2] = float("-inf")
+    need = torch.tensor([[True, False, True], [True, True, False]])
+    s = Sampling(temperature=1.0, top_k=4, top_p=0.5)
+    v, p = sampled_confidence(logits, MASK, need, s, torch.arange(6).view(2, 3))
+    assert (v[~need] == MASK).all() and (p[~need] == -1).all()
+    assert ((v[need] >= 0) & (v[need] < 10) & (v[need] != MASK)).all() and (p[need] > 0).all()
