@@ -34,7 +34,7 @@ THREADS_HELP = ("torch's CPU threads (same as the recipe key threads; default: t
                 "when the run starts).")
 
 
-def trusting(overrides: list[str] | None, trust_exported: bool = False, threads: int | None = None) -> list[str]:
+def with_flags(overrides: list[str] | None, trust_exported: bool = False, threads: int | None = None) -> list[str]:
     """The --set overrides plus those of --trust-exported and --threads (command-line flags win)."""
     return [*(overrides or []), *(["model.trust_exported=true"] if trust_exported else []),
             *([f"threads={threads}"] if threads is not None else [])]
@@ -130,7 +130,7 @@ def run(
     from compiledllm.runner import RunInterrupted, execute, result_record
 
     try:
-        rec = load_recipe(recipe, trusting(set_, trust_exported, threads))
+        rec = load_recipe(recipe, with_flags(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
         with progress(TextColumn("[bold]decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn()) as bar:
@@ -170,7 +170,7 @@ def profile(
         if out.exists() and not out.is_dir():
             raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json.gz, profile.json, "
                             "profile.png)")
-        res = profile_recipe(recipe, out, trusting(set_, threads=threads), record_steps)
+        res = profile_recipe(recipe, out, with_flags(set_, threads=threads), record_steps)
     except UserError as e:
         fail(str(e))
     t = Table(title=title(res.summary, res.steps), caption=f"a step: one of the {res.steps} {STEPS_MEANING}; "
@@ -284,7 +284,7 @@ def eval_(
 
     out, stopped = None, False
     try:
-        rec = load_eval_recipe(recipe, trusting(set_, trust_exported, threads))
+        rec = load_eval_recipe(recipe, with_flags(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
         if out is not None:  # before the evaluation, not after it
             check_output(out, [recipe, *(rec.resolve(t) for t in rec.tasks)], "eval output")
