@@ -1,7 +1,6 @@
 """Sampling (policies/sampling.py): the draw's distribution and filters against literal definitions, the hash on
 tensors == on Python ints, and in the engine: deterministic per seed, batch-invariant, top_k 1 == greedy, the
-lock-step ablation keeps flowblock's sampled tokens, one-line errors for bad settings (compiled == eager:
-tests/engine/test_decoding.py, several engines in one process; inside CUDA graphs: test_gpu_engine.py)."""
+lock-step ablation keeps flowblock's sampled tokens, compiled == eager, one-line errors for bad settings."""
 from __future__ import annotations
 
 import pytest
@@ -86,8 +85,8 @@ def models(tmp_path_factory):
 PROMPTS = [list(range(5, 14)), [20, 21, 22], list(range(30, 47)), [50, 51, 52, 53, 54]]
 
 
-def decode(model, policy: dict, batch_size: int = 4) -> list[list[int]]:
-    cfg = EngineConfig(policy, max_new_tokens=20, batch_size=batch_size)
+def decode(model, policy: dict, batch_size: int = 4, compile: bool = False) -> list[list[int]]:
+    cfg = EngineConfig(policy, max_new_tokens=20, batch_size=batch_size, compile=compile)
     return [r.output_ids for r in Engine(model, cfg).generate(PROMPTS)]
 
 
@@ -109,6 +108,11 @@ def test_seeded_sampling_is_deterministic_batch_invariant_and_top1_is_greedy(mod
 def test_lock_step_ablation_keeps_flowblocks_sampled_tokens(models):
     pol = {"block_size": 8, "window": 2, "spawn": 0.3, "temperature": 1.0, "top_p": 0.9, "seed": 5}
     assert decode(models["llada2"], pol | {"name": "flowblock_sync"}) == decode(models["llada2"], pol | {"name": "flowblock"})
+
+
+def test_compiled_sampling_equals_eager(models):
+    pol = {"name": "t2t", "block_size": 8, "temperature": 1.0, "top_k": 20, "top_p": 0.95, "seed": 3}
+    assert decode(models["llada2"], pol, compile=True) == decode(models["llada2"], pol)
 
 
 @pytest.mark.parametrize("key,value,match", [("temperature", -1.0, "temperature"), ("temperature", "hot", "temperature"),
