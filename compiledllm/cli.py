@@ -107,7 +107,8 @@ def compact_table(title: str) -> Table:
 
 
 def summary_table(summary) -> Table:
-    threads = f" · {summary.threads} threads" if summary.device == "cpu" and summary.threads else ""
+    n = summary.threads
+    threads = f" · {n} thread{'s' if n != 1 else ''}" if summary.device == "cpu" and n else ""
     table = compact_table(f"{summary.model} · {summary.policy} · {summary.device}{threads}")
     for col in ("prompts", "tokens", "forwards", "tokens per\nforward", "tokens/s", "wall s", "load s", "startup s"):
         table.add_column(col, justify="right", no_wrap=True)

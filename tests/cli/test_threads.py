@@ -61,10 +61,10 @@ def test_busy_cores_sees_processes_running_beside_it():
 def test_threads_key_and_flag_set_the_run_and_are_reported(tmp_path):
     res = runner.invoke(app, ["run", recipe(tmp_path, threads=1)])
     assert res.exit_code == 0, res.output
-    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 1 and "1 threads" in res.output
+    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 1 and "cpu · 1 thread " in res.output
     res = runner.invoke(app, ["run", recipe(tmp_path, threads=1), "--threads", "2"])  # the flag wins
     assert res.exit_code == 0, res.output
-    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 2
+    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 2 and "cpu · 2 threads" in res.output
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "true"])
