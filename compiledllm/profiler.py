@@ -24,8 +24,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from compiledllm.profiling import PHASES, PhaseClock
 from compiledllm.recipe import Recipe, load_recipe
-from compiledllm.runner import Summary, encode_prompts, load_from_spec, make_summary
-from compiledllm.threads import set_threads
+from compiledllm.runner import Summary, make_summary, prepare
 
 MODE = "eager, profiled"
 RECORD_STEPS = 5
@@ -153,15 +152,8 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
 
     recipe = load_recipe(source, overrides)
     recipe = recipe.model_copy(update={"compile": False, "cuda_graphs": False})
-    specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     out_dir.mkdir(parents=True, exist_ok=True)
-    set_threads(recipe.threads)
-    t0 = time.perf_counter()
-    model = load_from_spec(recipe.model)
-    load_s = time.perf_counter() - t0
-    prompts = encode_prompts(model, specs)
-    engine = Engine.from_recipe(model, recipe)
-    engine.validate(prompts)
+    model, prompts, engine, load_s = prepare(recipe)
     capacity = engine.capacity_for(prompts)
     short = dataclasses.replace(engine.config, max_new_tokens=1, max_seq_len=capacity)  # one block, same shapes
     Engine(model, short).generate(prompts)  # the warm-up

@@ -90,14 +90,9 @@ def run_inputs(recipe: Recipe, recipe_path: Path | None = None) -> list[Path]:
     return found
 
 
-def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
-            on_result: Callable[[GenerationResult], None] | None = None,
-            output: Path | None = None, inputs: list[Path] = ()) -> tuple[list[GenerationResult], Summary]:
-    """Run a recipe. With `output`, results are written as each request ends to a temporary file that replaces
-    `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
-    previous files as they were (outputs.py)."""
-    if output is not None:
-        check_output(output, [*inputs, *run_inputs(recipe)])
+def prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine, float]:
+    """(model, encoded prompts, engine, load seconds) of a recipe, every prompt checked against the engine (ids,
+    KV capacity) before any decoding; the run's CPU threads set first."""
     specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     set_threads(recipe.threads)
     t0 = time.perf_counter()
@@ -107,6 +102,18 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     engine = Engine.from_recipe(model, recipe)
     engine.validate(prompts)
     engine.capacity_for(prompts)
+    return model, prompts, engine, load_s
+
+
+def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
+            on_result: Callable[[GenerationResult], None] | None = None,
+            output: Path | None = None, inputs: list[Path] = ()) -> tuple[list[GenerationResult], Summary]:
+    """Run a recipe. With `output`, results are written as each request ends to a temporary file that replaces
+    `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
+    previous files as they were (outputs.py)."""
+    if output is not None:
+        check_output(output, [*inputs, *run_inputs(recipe)])
+    model, prompts, engine, load_s = prepare(recipe)
     if on_start is not None:
         on_start(len(prompts))
     sink = ResultSink(output) if output is not None else None
