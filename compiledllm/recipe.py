@@ -141,6 +141,12 @@ class ModelSpec(_Strict):
 class GenerationSpec(_Strict):
     max_new_tokens: int = Field(default=256, ge=1)
     max_seq_len: int | None = Field(default=None, ge=1)
+    ignore_eos: bool = False  # every request decodes max_new_tokens (benchmarks)
+
+
+class PrefillSpec(_Strict):
+    chunk: int = Field(default=2048, ge=1)    # prompt positions per row in one prefill forward
+    tokens: int = Field(default=16384, ge=1)  # tokens in one prefill forward: the longest stall of decoding rows
 
 
 class PromptSpec(_Strict):
@@ -160,6 +166,7 @@ class Recipe(_Strict):
     model: ModelSpec = Field(default={}, validate_default=True)  # required: {} fails, saying what to give
     policy: dict[str, Any] = Field(default_factory=lambda: {"name": "threshold"})
     generation: GenerationSpec = GenerationSpec()
+    prefill: PrefillSpec = PrefillSpec()
     prompts: list[PromptSpec] = Field(default_factory=list)
     prompts_file: str | None = Field(default=None, min_length=1)
     batch_size: int = Field(default=8, ge=1)

@@ -21,6 +21,9 @@ class EngineConfig:
     compile: bool = False
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
+    prefill_chunk: int = 2048           # prompt positions per row in one prefill forward
+    prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
+    ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, (dict, PolicyConfig)):
@@ -30,7 +33,9 @@ class EngineConfig:
         _positive_int("batch_size", self.batch_size)
         if self.max_seq_len is not None:
             _positive_int("max_seq_len", self.max_seq_len)
-        for name in ("compile", "cuda_graphs"):
+        _positive_int("prefill_chunk", self.prefill_chunk)
+        _positive_int("prefill_tokens", self.prefill_tokens)
+        for name in ("compile", "cuda_graphs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:
@@ -44,4 +49,5 @@ class EngineConfig:
     def from_recipe(cls, recipe) -> "EngineConfig":
         return cls(recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
-                   cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets)
+                   cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
+                   prefill_tokens=recipe.prefill.tokens, ignore_eos=recipe.generation.ignore_eos)

@@ -1,7 +1,7 @@
-"""The engine: request slots over static buffers, admission between steps, host hooks, results.
+"""The engine: request slots over static buffers, admission, results (the schedule itself: scheduler.py).
 
-Requests wait in a queue; a free slot takes the next one between steps (its prompt's full blocks are
-prefilled into the slot's KV), every step runs the policy's phases on the smallest batch bucket holding all busy
+Requests wait until they arrive and a slot is free; a slot's prompt's full blocks are prefilled into its KV in
+chunks (prefill.py), then every step runs the policy's phases on the smallest batch bucket holding all decoding
 slots, and a slot is freed as soon as its request ends. Each row's tokens depend on its own prompt only (batch
 invariance, for a given KV capacity).
 """
@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.engine.config import EngineConfig
-from compiledllm.engine.hooks import HostContext, StepReport
 from compiledllm.engine.memory import activation_tier, check_fits
+from compiledllm.engine.prefill import Prefiller, Progress
+from compiledllm.engine.scheduler import RunStats, Scheduler
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.policies import PolicyConfig, make_policy, resolve_block
-from compiledllm.policies.plan import Forward
 from compiledllm.policies.sampling import request_key
-from compiledllm.profiling import phase as profile_range
 
 
 @dataclass
@@ -36,9 +33,11 @@ class GenerationResult:
     output_ids: list[int]
     steps: int                  # forwards made for this request (prefill not counted)
     blocks: int                 # blocks decoded
-    latency_s: float            # admission to finish
+    latency_s: float = 0.0      # arrival to finish
     text: str | None = None
     extra: dict = field(default_factory=dict)
+    arrival_s: float = 0.0      # when it arrived, seconds after the run's start
+    first_block_s: float = 0.0  # arrival to its first retired block
 
 
 def working_length(prompt_len: int, max_new_tokens: int, block: int) -> int:
@@ -68,6 +67,7 @@ class Engine:
         self.buckets = list(static.buckets) if static else (list(config.buckets) if config.buckets else None)
         self.side_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self.startup_s = 0.0  # compile / capture time of the last generate()
+        self.stats: RunStats | None = None  # where the last generate()'s time went
 
     @classmethod
     def from_recipe(cls, model, recipe) -> "Engine":
@@ -120,7 +120,7 @@ class Engine:
     def _allocate(self, slots: int, capacity: int) -> tuple[SlotState, KVCache | None]:
         model, device, c = self.model, self.model.device, self.model.config
         kv_shape = (c.num_layers, slots, capacity, c.num_kv_heads, c.head_dim)
-        tiers = [activation_tier(model, slots, capacity, self.block)]
+        tiers = [activation_tier(model, slots, capacity, self.block, self.config.prefill_tokens)]
         if not model.bidirectional:
             tiers += KVCache.tiers(*kv_shape, model.dtype, device)
         check_fits(tiers, slots, capacity)
@@ -133,9 +133,12 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
-                 ) -> list[GenerationResult]:
+                 arrivals: Sequence[float] | None = None) -> list[GenerationResult]:
+        """Decode every prompt; results in prompt order. arrivals[i]: seconds after the start (once compiled and
+        captured) at which prompt i arrives (default: all at once)."""
         self.validate(prompts)
         prompts = [[int(t) for t in p] for p in prompts]
+        arrivals = self._arrivals(arrivals, len(prompts))
         slots = min(self.config.batch_size, len(prompts))
         if self.static:  # run on exported bucket sizes only
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
@@ -146,78 +149,55 @@ class Engine:
         buckets = [b for b in buckets if b <= slots]
         if not buckets or max(buckets) < slots:
             buckets = [*buckets, slots]
-        stepper = Stepper(self.model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs)
-        self.startup_s = stepper.startup_s
-        host = HostContext(self.model, st, kv, self.side_stream)
-
-        queue = deque(enumerate(prompts))
-        owner: list[tuple[int, float] | None] = [None] * slots
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        for s in range(min(slots, len(prompts))):
-            owner[s] = self._admit(st, kv, s, *queue.popleft())
-        self.policy.on_blocks(host, [s for s, o in enumerate(owner) if o is not None])
-        report = StepReport([o is not None for o in owner], [0] * slots)
-        while any(o is not None for o in owner):
-            stepper.run(1 + max(s for s, o in enumerate(owner) if o is not None), self.policy.schedule(report))
-            report = StepReport(*st.host_view())  # the one host sync per step
-            st.retired.zero_()
-            begun = []
-            for s, o in enumerate(owner):
-                if o is None:
-                    continue
-                if report.active[s]:
-                    if report.retired[s]:
-                        begun.append(s)
-                    continue
-                res = self._collect(st, s, *o, prompts[o[0]])
-                results[res.index] = res
-                if on_result is not None:
-                    on_result(res)
-                owner[s] = self._admit(st, kv, s, *queue.popleft()) if queue else None
-                if owner[s] is not None:
-                    begun.append(s)
-            if begun:
-                self.policy.on_blocks(host, begun)
+        eos = -1 if self.config.ignore_eos else self.model.eos_token_id
+        stepper = Stepper(self.model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs, eos_id=eos)
+        prefiller = None if kv is None else Prefiller(
+            self.model, self.block, self.config.prefill_chunk, self.config.prefill_tokens,
+            self.static.buckets if self.static else None, stepper.prefill_layers)
+        t = time.perf_counter()
+        if prefiller is not None and stepper.prefill_layers is not None:
+            prefiller.warm_up(st, kv)
+        self.startup_s = stepper.startup_s + time.perf_counter() - t
+        run = Scheduler(self, st, kv, stepper, prefiller, prompts, arrivals, on_result)
+        results = run.loop()
+        self.stats = run.stats()
         return results
 
-    def _admit(self, st: SlotState, kv: KVCache | None, s: int, index: int, prompt: list[int]):
+    @staticmethod
+    def _arrivals(arrivals: Sequence[float] | None, n: int) -> list[float]:
+        if arrivals is None:
+            return [0.0] * n
+        if len(arrivals) != n:
+            raise UserError(f"arrivals: {len(arrivals)} times for {n} prompts")
+        bad = [a for a in arrivals if not isinstance(a, numbers.Real) or not 0 <= a < float("inf")]
+        if bad:
+            raise UserError(f"arrivals: {bad[0]!r} is not a time in seconds >= 0")
+        return [float(a) for a in arrivals]
+
+    def _admit(self, st: SlotState, s: int, index: int, prompt: list[int]) -> Progress:
+        """Put a request in slot s; it decodes once its prompt's full blocks are prefilled (Progress)."""
         P = len(prompt)
         st.seq[s].fill_(self.model.mask_token_id)
         st.seq[s, :P] = torch.tensor(prompt, device=st.seq.device)
         start = P // self.block * self.block
+        cached = 0 if self.model.bidirectional else start  # a bidirectional model caches nothing: no prefill
         st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, self.max_new_tokens, self.block), start
-        st.steps[s], st.active[s], st.retired[s] = 0, True, 0
+        st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
         st.key[s] = request_key(self.policy.sampling.seed, index)  # the request's own noise: batch invariant
         for v in st.policy.values():
             v[s] = 0
-        if kv is not None and start > 0:
-            with profile_range("prefill"):
-                self._prefill(st, kv, s, start)
-        return index, time.perf_counter()
+        return Progress(0, cached)
 
-    def _prefill(self, st: SlotState, kv: KVCache, s: int, end: int, chunk: int = 1024) -> None:
-        """Write the KV of the prompt's full blocks [0, end) into slot s, in chunks of whole blocks: each chunk
-        attends to the cached prefix and block-causally to itself."""
-        chunk = max(chunk // self.block, 1) * self.block
-        dev = st.seq.device
-        for c in range(0, end, chunk):
-            n = min(chunk, end - c)
-            pos = torch.arange(c, c + n, device=dev)[None]
-            spec = AttentionSpec(BlockCausal(self.block), prefix_len=torch.full((1,), c, device=dev))
-            last = torch.full((1, 1), n - 1, device=dev)  # logits are not needed: keep the head to one row
-            self.model(Forward(st.seq[s : s + 1, c : c + n], pos, spec, kv_write=pos, logits_at=last), kv.rows(s, s + 1))
-
-    def _collect(self, st: SlotState, s: int, index: int, t0: float, prompt: list[int]) -> GenerationResult:
+    def _collect(self, st: SlotState, s: int, index: int, prompt: list[int]) -> GenerationResult:
         P = len(prompt)
         out = st.seq[s, P : P + self.max_new_tokens].tolist()
         eos = self.model.eos_token_id
-        if eos in out:
+        if eos in out and not self.config.ignore_eos:
             out = out[: out.index(eos) + 1]
         tok = self.model.tokenizer
         blocks = (int(st.block_start[s]) - P // self.block * self.block) // self.block
         return GenerationResult(index=index, prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
-                                blocks=blocks, latency_s=time.perf_counter() - t0,
-                                text=tok.decode(out) if tok else None, extra=self.policy.report(st, s))
+                                blocks=blocks, text=tok.decode(out) if tok else None, extra=self.policy.report(st, s))
 
 
 def generate(model, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,

@@ -20,10 +20,11 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def activation_tier(model, slots: int, capacity: int, block: int) -> Tier:
-    """A step's activations, logits and softmax on the model's device (a generous estimate)."""
+def activation_tier(model, slots: int, capacity: int, block: int, prefill_tokens: int = 0) -> Tier:
+    """A step's (or a prefill forward's) activations, logits and softmax on the model's device (a generous
+    estimate)."""
     c = model.config
-    tokens = slots * (capacity if model.bidirectional else block)
+    tokens = slots * capacity if model.bidirectional else max(slots * block, min(prefill_tokens, slots * capacity))
     nbytes = tokens * (4 * c.hidden_size + 3 * c.intermediate_size) * 4 + slots * block * c.vocab_size * 4 * 3
     if model.bidirectional:  # dense attention scores of the whole sequence
         nbytes += slots * c.num_heads * capacity * capacity * 4

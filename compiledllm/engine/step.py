@@ -25,15 +25,17 @@ class Regions:
 
 
 def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Regions | None = None,
-              kernels: Kernels | None = None) -> None:
+              kernels: Kernels | None = None, eos_id: int | None = None) -> None:
     """One phase for every slot; `regions`: compiled forms of the layers and the finish (default: eager);
-    `kernels`: the implementations every forward uses instead of the policy's choice (benchmarks' A/B)."""
+    `kernels`: the implementations every forward uses instead of the policy's choice (benchmarks' A/B);
+    `eos_id`: the token that ends a request (default the model's; -1: none)."""
     fwd = policy.plan(phase, st)
     if kernels is not None:
         fwd = replace(fwd, kernels=kernels)
     logits = model(fwd, kv, layers=None if regions is None else regions.layers)
     with profile_range("acceptance"):
-        (finish_phase if regions is None else regions.finish)(policy, phase, st, fwd, logits, model.eos_token_id)
+        (finish_phase if regions is None else regions.finish)(policy, phase, st, fwd, logits,
+                                                              model.eos_token_id if eos_id is None else eos_id)
 
 
 def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | None = None) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from compiledllm.attention.spec import Kernels
-from compiledllm.engine.compile import INDUCTOR_OPTIONS, compiled_regions, make_room
+from compiledllm.engine.compile import INDUCTOR_OPTIONS, compiled_regions, make_room, prefill_regions
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import run_phase
 from compiledllm.kv.cache import KVCache
@@ -28,8 +28,9 @@ def default_buckets(slots: int) -> list[int]:
 
 class Stepper:
     def __init__(self, model, policy: Policy, st: SlotState, kv: KVCache | None, buckets: list[int], compile: bool,
-                 cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None):
-        """kernels: the implementations every forward uses instead of the policy's default (benchmarks' A/B)."""
+                 cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None, eos_id: int | None = None):
+        """kernels: the implementations every forward uses instead of the policy's default (benchmarks' A/B);
+        eos_id: the token that ends a request (default the model's; -1: none, every request runs to its length)."""
         self.model, self.policy = model, policy
         self.buckets = sorted(set(buckets))
         whole = compile and not regional
@@ -42,6 +43,10 @@ class Stepper:
             fn = functools.partial(run_phase, regions=compiled_regions(model, len(self.buckets), phases))
         else:
             fn = run_phase
+        # prefill chunks come in several shapes: one shape-generic compile of the layers, not one per shape; on
+        # the CPU that compile costs minutes and saves little, so prefill runs eagerly there
+        self.prefill_layers = prefill_regions(model) if compile and model.device.type == "cuda" else None
+        fn = functools.partial(fn, eos_id=model.eos_token_id if eos_id is None else eos_id)
         self.fn = fn if kernels is None else functools.partial(fn, kernels=kernels)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.startup_s = 0.0

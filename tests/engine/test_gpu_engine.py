@@ -124,3 +124,26 @@ def test_sampling_inside_captured_steps_equals_eager(tmp_path, compile):
     one = generate(model, ps, pol, cuda_graphs=True, batch_size=1, **kw)
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager] == [r.output_ids for r in one]
     assert [r.output_ids for r in eager] != [r.output_ids for r in generate(model, ps, POLICIES[1], batch_size=4, **kw)]
+
+
+def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):
+    """Long prompts on CUDA: the shape-generic compiled prefill (chunks of 512, 4 rows per forward) == eager
+    prefill, and requests arriving while others decode (prefill interleaved with captured steps) get the tokens
+    they get alone."""
+    from compiledllm.engine import EngineConfig
+
+    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+    policy = POLICIES[0]
+    kw = dict(max_new_tokens=13, prefill_chunk=512, prefill_tokens=2048)
+    eager = Engine(model, EngineConfig(policy, batch_size=4, cuda_graphs=False, **kw)).generate(ps)
+    eng = Engine(model, EngineConfig(policy, batch_size=4, compile=True, **kw))
+    compiled = eng.generate(ps)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    assert eng.stats.prefill_tokens == sum(len(p) // 8 * 8 for p in ps)
+    alone = [Engine(model, EngineConfig(policy, batch_size=1, cuda_graphs=False, **kw)).generate([p])[0].output_ids
+             for p in ps]
+    arriving = Engine(model, EngineConfig(policy, batch_size=2, **kw)).generate(ps, arrivals=[0, 0, 0.05, 0.1])
+    assert [r.output_ids for r in arriving] == alone

@@ -17,3 +17,79 @@ def test_chunked_prefill_matches_literal_decode(tmp_path):
     ref = literal_decode(lambda ids, bs: model.reference_forward(ids, bs), prompt, policy="threshold", block_size=8,
                          max_new_tokens=10, mask_id=model.mask_token_id, eos_id=model.eos_token_id, threshold=0.5)
     assert out == ref
+
+
+# -- batched, chunked prefill and its schedule --------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from compiledllm.engine import Engine, EngineConfig  # noqa: E402
+from compiledllm.engine.prefill import chunk_buckets, split_rows  # noqa: E402
+from compiledllm.errors import UserError  # noqa: E402
+
+POLICY = {"name": "threshold", "block_size": 8, "threshold": 0.5}
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("m"), "sdar", 5, max_position_embeddings=1024))
+
+
+def prompts_of(lengths, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(model, prompts, **cfg):
+    return [Engine(model, EngineConfig(POLICY, max_new_tokens=12, batch_size=1, **cfg)).generate([p])[0].output_ids
+            for p in prompts]
+
+
+def test_chunk_buckets_and_row_pieces():
+    assert chunk_buckets(2048, 32) == [128, 256, 512, 1024, 2048]
+    assert chunk_buckets(100, 32) == [96]  # whole blocks, even below MIN_CHUNK
+    assert split_rows([0, 1, 2, 3, 4, 6, 7], [1, 2, 4]) == [(0, 4), (4, 1), (6, 2)]
+    assert split_rows([5], [1, 2]) == [(5, 1)]
+
+
+def test_batched_prefill_of_rows_at_different_positions_equals_each_alone(sdar):
+    """Chunks of 16 positions (so rows of 3..70-token prompts need 0..4 chunks and pad their last one), up to 64
+    tokens per forward (4 rows at a time): every row's tokens equal its decode alone with the default prefill."""
+    prompts = prompts_of([70, 3, 41, 17, 64, 33], sdar.config.vocab_size)
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=12, batch_size=6, prefill_chunk=16, prefill_tokens=64))
+    got = [r.output_ids for r in eng.generate(prompts)]
+    assert got == alone(sdar, prompts)
+    full = sum(len(p) // 8 * 8 for p in prompts)
+    assert eng.stats.prefill_tokens == full and eng.stats.prefill_forwards >= 5
+
+
+def test_prefill_interleaved_with_decoding_keeps_every_rows_tokens(sdar):
+    """Two slots, five requests arriving over time: later requests' prefill (one 16-position chunk per step)
+    runs between the decode steps of rows already decoding; each request's tokens equal its decode alone."""
+    prompts = prompts_of([60, 12, 50, 70, 9], sdar.config.vocab_size, seed=2)
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=12, batch_size=2, prefill_chunk=16, prefill_tokens=16))
+    res = eng.generate(prompts, arrivals=[0.0, 0.0, 0.01, 0.02, 0.02])
+    assert [r.output_ids for r in res] == alone(sdar, prompts)
+    assert [r.index for r in res] == list(range(5))
+    for r, a in zip(res, [0.0, 0.0, 0.01, 0.02, 0.02]):
+        assert r.arrival_s == a and 0 < r.first_block_s <= r.latency_s
+    s = eng.stats
+    assert s.decode_steps > 0 and s.prefill_s > 0 and s.generated_tokens == sum(len(r.output_ids) for r in res)
+
+
+def test_ignore_eos_decodes_every_request_to_its_length(sdar):
+    prompts = prompts_of([20, 30], sdar.config.vocab_size)
+    base = EngineConfig(POLICY, max_new_tokens=12, batch_size=2)
+    normal = Engine(sdar, base).generate(prompts)
+    forced = Engine(sdar, EngineConfig(POLICY, max_new_tokens=12, batch_size=2, ignore_eos=True)).generate(prompts)
+    assert all(len(r.output_ids) == 12 for r in forced)
+    for a, b in zip(normal, forced):  # the same tokens up to the EOS that ended the normal decode
+        assert b.output_ids[: len(a.output_ids)] == a.output_ids
+
+
+@pytest.mark.parametrize("arrivals, words", [([0.0], "1 times for 2 prompts"), ([0.0, -1.0], "-1.0"),
+                                             ([0.0, float("nan")], "nan"), ([0.0, "soon"], "soon")])
+def test_bad_arrivals_are_one_line_errors(sdar, arrivals, words):
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=4))
+    with pytest.raises(UserError, match=words):
+        eng.generate(prompts_of([5, 6], sdar.config.vocab_size), arrivals=arrivals)

@@ -1,0 +1,115 @@
+"""Prefill: the KV of prompts' full blocks, written in chunks batched across rows (docs/design.md §6).
+
+A row's prefill writes positions [0, end) (the prompt's full blocks) chunk by chunk; each chunk is up to `chunk`
+positions against the row's cached prefix, block-causal inside. Rows prefilling at the same time share one forward
+of [rows, C] tokens when their slots are contiguous (the KV rows of a forward are one view): each row at its own
+position, and a row whose prefill ends inside the chunk pads it. Padding starts on a block boundary after the row's
+real tokens, so no real query sees it, and it is never written (kv_write -1). Shapes come from small fixed sets
+(rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block), so a
+compiled prefill has few variants.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, BlockCausal
+from compiledllm.engine.state import SlotState
+from compiledllm.kv.cache import KVCache
+from compiledllm.policies.plan import Forward
+
+MIN_CHUNK = 128  # smallest chunk bucket (or one block, if larger): shorter tails pad up to it
+COMPILED_FROM = 1024  # tokens from which a forward runs the compiled layers (below, compiling costs more than it saves)
+
+
+@dataclass
+class Progress:
+    """Host-side prefill progress of one slot: positions [0, done) of [0, end) are in its KV."""
+
+    done: int
+    end: int
+
+    @property
+    def left(self) -> int:
+        return self.end - self.done
+
+
+def chunk_buckets(chunk: int, block: int) -> list[int]:
+    """chunk, chunk / 2, ... down to max(block, MIN_CHUNK), each a whole number of blocks, ascending."""
+    top = max(chunk // block, 1) * block
+    sizes, c = [], top
+    while c >= max(block, MIN_CHUNK) and c % block == 0:
+        sizes.append(c)
+        c //= 2
+    return sorted(set(sizes or [top]))
+
+
+def split_rows(slots: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(first slot, rows) pieces: contiguous runs of `slots`, each cut greedily into the allowed row counts."""
+    sizes = sorted(set(sizes), reverse=True)
+    pieces, run = [], []
+    for s in sorted(slots):
+        if run and s != run[-1] + 1:
+            pieces += _cut(run, sizes)
+            run = []
+        run.append(s)
+    return pieces + (_cut(run, sizes) if run else [])
+
+
+def _cut(run: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    out, i = [], 0
+    while i < len(run):
+        n = next((z for z in sizes if z <= len(run) - i), 1)
+        out.append((run[i], n))
+        i += n
+    return out
+
+
+class Prefiller:
+    """Runs prefill chunk forwards. `max_tokens` bounds one forward's tokens (rows x C): the longest a prefill
+    forward can stall rows that are decoding. `layers`: compiled forms of the decoder layers (None: eager)."""
+
+    def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
+                 layers=None):
+        self.model, self.block, self.layers = model, block, layers
+        self.chunks = chunk_buckets(chunk, block)
+        most = max(1, max_tokens // self.chunks[-1])
+        self.row_sizes = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most) or [1]
+
+    def pieces(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        return split_rows(slots, self.row_sizes)
+
+    def warm_up(self, st: SlotState, kv: KVCache) -> None:
+        """Compile the prefill layers before the clock starts: forwards that write nothing (every row's end is 0)."""
+        slots = st.seq.shape[0]
+        for rows in sorted({1, min(2, slots)}):
+            self._forward(st, kv, 0, rows, [0] * rows, [0] * rows, self.chunks[-1])
+
+    def run(self, st: SlotState, kv: KVCache, first: int, rows: int, progress: dict[int, Progress]) -> int:
+        """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written."""
+        slots = range(first, first + rows)
+        left = [progress[s].left for s in slots]
+        C = next((c for c in self.chunks if c >= max(left)), self.chunks[-1])
+        self._forward(st, kv, first, rows, [progress[s].done for s in slots], [progress[s].end for s in slots], C)
+        written = 0
+        for s, n in zip(slots, left):
+            step = min(n, C)
+            progress[s].done += step
+            written += step
+        return written
+
+    def _forward(self, st: SlotState, kv: KVCache, first: int, rows: int, done: list[int], ends: list[int],
+                 C: int) -> None:
+        dev = st.seq.device
+        start = torch.tensor(done, device=dev)
+        end = torch.tensor(ends, device=dev)
+        pos = start[:, None] + torch.arange(C, device=dev)
+        real = pos < end[:, None]
+        cap = st.seq.shape[1]
+        tokens = torch.where(real, st.seq[first : first + rows].gather(1, pos.clamp(max=cap - 1)), self.model.mask_token_id)
+        spec = AttentionSpec(BlockCausal(self.block), prefix_len=start)
+        last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
+        fwd = Forward(tokens, pos.clamp(max=cap - 1), spec, kv_write=torch.where(real, pos, -1), logits_at=last)
+        self.model(fwd, kv.rows(first, first + rows), layers=self.layers if rows * C >= COMPILED_FROM else None)
