@@ -101,8 +101,9 @@ class MoE(nn.Module):
         self.shared = GatedMLP(dim, F_ * cfg.num_shared) if cfg.num_shared else None
 
     # backend (a forward's Kernels.moe): "auto": the Triton routing and expert kernels where they apply
-    # (moe_triton.py), else torch; "triton": the Triton experts; "grouped_mm": always the torch routing and
-    # grouped GEMM (the benchmarks' A/B baseline, and what an exported engine runs).
+    # (moe_triton.py; the experts below moe_triton.GROUPED_MM_FROM_PAIRS_PER_EXPERT), else torch; "triton": the
+    # Triton experts; "grouped_mm": always the torch routing and grouped GEMM (the benchmarks' A/B baseline, and
+    # what an exported engine runs).
 
     def route(self, x: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32."""
@@ -137,7 +138,8 @@ class MoE(nn.Module):
         """The T*k (token, expert) pairs through the experts, each token's k outputs summed: the Triton op (sort,
         expert kernels and sum inside it), or sorted by expert in torch and two grouped GEMMs. Static shapes and
         no host sync, so it compiles and captures."""
-        if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)):
+        if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)
+                                   and moe_triton.auto_uses_triton(ids.numel(), self.cfg.num_experts)):
             return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float())
         T, k = ids.shape
         E = self.cfg.num_experts

@@ -33,6 +33,23 @@ class MoETile:
     stages: int = 4
 
 
+# Prefill-sized tiles: from PREFILL_PAIRS_PER_EXPERT pairs per expert on average (LLaDA2.0-mini, 256 experts top 8:
+# 32 tokens per pair per expert, so 512 = 16K tokens), default_tiles returns PREFILL_TILE_SPECS, each
+# (BM, BN cap, BK cap, warps, stages) for (gate_up, down), the caps cut to the dims by _block. Set both from
+# `tools/bench_moe.py --prefill-tokens ... --prefill-sweep` (its "prefill_decision"); until measured they equal
+# the large-batch tiles below, so no shape runs differently. Tile changes have kept a row's result bitwise on the
+# H200 (each output element sums its MMA K steps in order, whatever the tile): test_rows_do_not_depend_on_the_batch
+# checks it across the decode and prefill tiles; run it after changing these.
+PREFILL_PAIRS_PER_EXPERT: int = 512
+PREFILL_TILE_SPECS: tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] = (
+    (64, 256, 64, 8, 3), (128, 256, 64, 8, 3))
+# From this many pairs per expert on average, backend "auto" runs the torch grouped GEMM instead of the Triton
+# experts (None: never). Set it from the same bench_moe table, if grouped_mm is faster there. Unlike a tile
+# choice, it changes a token's bits with the size of the forward: a decode window packed into one forward with a
+# prefill chunk would then round differently than alone (batch invariance).
+GROUPED_MM_FROM_PAIRS_PER_EXPERT: int | None = None
+
+
 def _block(dim: int, cap: int) -> int:
     """The largest power of two <= cap dividing dim (tl.arange needs powers of two, tl.dot at least 16); 0 if < 16."""
     b = cap
@@ -46,7 +63,12 @@ def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETi
     while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
     BN 128 (its K loop is only `inner` long: wider N tiles stream more weight per program), and from 64 pairs
     per expert gate_up with BN 256 on 8 warps (`bench_moe.py --sweep-split`: 1-4 % per kernel); from 128 pairs
-    per expert down on 128 x 256 tiles, 8 warps (4-6 % of the op at 128 and 306 pairs per expert)."""
+    per expert down on 128 x 256 tiles, 8 warps (4-6 % of the op at 128 and 306 pairs per expert); from
+    PREFILL_PAIRS_PER_EXPERT the prefill tiles."""
+    if pairs >= PREFILL_PAIRS_PER_EXPERT * experts:
+        (bm, bn, bk, w, st), (dbm, dbn, dbk, dw, dst) = PREFILL_TILE_SPECS
+        return (MoETile(bm, _block(inner, bn), _block(dim, bk), w, st),
+                MoETile(dbm, _block(dim, dbn), _block(inner, dbk), dw, dst))
     if pairs <= 16 * experts:
         return (MoETile(16, _block(inner, 128), _block(dim, 128), 4, 3),
                 MoETile(16, _block(dim, 128), _block(inner, 128), 4, 3))
@@ -57,6 +79,11 @@ def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETi
     if pairs >= 64 * experts:
         return MoETile(64, _block(inner, 256), _block(dim, 64), 8, 3), down
     return MoETile(64, _block(inner, 64), _block(dim, 64), 4, 3), down
+
+
+def auto_uses_triton(pairs: int, experts: int) -> bool:
+    """Whether backend "auto" runs the Triton experts for this many (token, expert) pairs (else grouped GEMM)."""
+    return GROUPED_MM_FROM_PAIRS_PER_EXPERT is None or pairs < GROUPED_MM_FROM_PAIRS_PER_EXPERT * experts
 
 
 def max_row_tiles(pairs: int, experts: int, block_m: int) -> int:

@@ -30,7 +30,8 @@ def routed() -> None:
     # none of the sort, row-tile and combine blocks.
     cases = [(5, 4, 2, 48, 16, "random", None), (200, 4, 2, 128, 64, "random", None),
              (203, 4, 2, 128, 64, "same", None), (61, 8, 4, 128, 128, "skip", None),
-             (37, 8, 3, 64, 32, "skip", (16, 32)), (150, 4, 2, 64, 32, "same", (32, 16))]
+             (37, 8, 3, 64, 32, "skip", (16, 32)), (150, 4, 2, 64, 32, "same", (32, 16)),
+             (300, 4, 2, 128, 64, "random", (128, 128))]  # prefill-sized rows: two 128-row tiles per expert
     for T, E, k, D, F_, routing, bms in cases:
         x = torch.randn(T, D, generator=g).half()
         wgu = (torch.randn(E, 2 * F_, D, generator=g) * D ** -0.5).half()

@@ -70,6 +70,25 @@ def test_rows_do_not_depend_on_the_batch():
             assert torch.equal(moe._routed(x[:n], ids[:n], w[:n], "triton"), full[:n]), n
 
 
+def test_prefill_tiles_keep_rows_bitwise():
+    """At prefill sizes (from PREFILL_PAIRS_PER_EXPERT pairs per expert) the prefill tiles run, and a token's routed
+    output there is bitwise its output in a decode-sized call (other tiles): chunked prefill and decode agree."""
+    E, k, D, F = 256, 8, 2048, 512
+    T = moe_triton.PREFILL_PAIRS_PER_EXPERT * E // k
+    prefill = moe_triton.default_tiles(T * k, E, D, F)
+    assert prefill[0].block_m == moe_triton.PREFILL_TILE_SPECS[0][0]
+    assert prefill[1].block_m == moe_triton.PREFILL_TILE_SPECS[1][0]
+    moe = moe_layer(E, k, D, F)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, w = moe.route(x)
+        full = moe._routed(x, ids, w, "triton")
+        for n in (32, 1024):
+            assert torch.equal(moe._routed(x[:n], ids[:n], w[:n], "triton"), full[:n]), n
+        gmm = moe._routed(x[:64], ids[:64], w[:64], "grouped_mm").double()
+    assert (full[:64].double() - gmm).abs().max().item() <= 0.02 * gmm.abs().max().item()
+
+
 @pytest.mark.parametrize("routing", ["random", "same", "skewed"])
 def test_sort_prelude(routing):
     """Offsets and row tiles exact, order an expert-grouped permutation of the pairs, output bitwise the same
