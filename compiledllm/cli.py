@@ -252,6 +252,19 @@ forwards  decoding forwards of the model (prefill is not counted)
 tok/fwd   generated tokens per forward
 tok/s     generated tokens per second of decoding (compile time excluded)"""
 
+EDIT_LEGEND = """\
+edits     T2T rewrites of generated tokens (t2t, flowblock, flowblock_sync)
+judged    edited positions inside the output and the reference (the draft of
+          a position: the first token written there)
+fixed     share of the judged positions: draft wrong, final token right
+broke     share of the judged positions: draft right, final token wrong
+blocks    blocks decoded
+edited    share of the blocks in which at least one edit happened"""
+
+
+def fmt_share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
 
 def eval_table(name: str, entry: dict) -> Table:
     table = compact_table(f"{name} · {entry['tasks']} tasks · {entry['max_new_tokens']} new tokens · "
@@ -263,6 +276,21 @@ def eval_table(name: str, entry: dict) -> Table:
         table.add_row(label, f"{m['exact_match']:.3f}", f"{m['token_accuracy']:.3f}", f"{m['prefix_tokens']:.2f}",
                       f"{m['agreement']:.3f}", f"{m['agreement_exact']:.3f}", str(m["forwards"]),
                       f"{m['tokens_per_forward']:.2f}", f"{m['tokens_per_s']:.1f}")
+    return table
+
+
+def edit_table(name: str, entry: dict) -> Table | None:
+    """The T2T policies' edits (None when no policy of the file edits)."""
+    rows = {label: m for label, m in entry["policies"].items() if "edits" in m}
+    if not rows:
+        return None
+    table = compact_table(f"{name} · T2T edits, judged against the reference")
+    table.add_column("policy", overflow="fold")
+    for col in ("edits", "judged", "fixed", "broke", "blocks", "edited"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for label, m in rows.items():
+        table.add_row(label, str(m["edits"]), str(m["edited_tokens"]), fmt_share(m["edit_fix_share"]),
+                      fmt_share(m["edit_break_share"]), str(m["blocks"]), fmt_share(m["edit_block_share"]))
     return table
 
 
@@ -278,17 +306,20 @@ def eval_(
 
     A legend below the tables explains the columns.
 
+    Beside the report, <stem>.png charts each policy's exact match and tokens per forward, per task file.
     Ctrl-C keeps the policies that finished in <stem>.partial.json beside the output (which stays unchanged).
     """
-    from compiledllm.evaluate import EvalInterrupted, load_eval_recipe, run_eval
+    from compiledllm.evaluate import EvalInterrupted, load_eval_recipe, run_eval, write_chart
     from compiledllm.outputs import check_output, partial_path, write_atomic
 
-    out, stopped = None, False
+    out, chart, stopped = None, None, False
     try:
         rec = load_eval_recipe(recipe, with_flags(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
         if out is not None:  # before the evaluation, not after it
-            check_output(out, [recipe, *(rec.resolve(t) for t in rec.tasks)], "eval output")
+            inputs = [recipe, *(rec.resolve(t) for t in rec.tasks)]
+            check_output(out, inputs, "eval output")
+            check_output(out.with_suffix(".png"), inputs, "eval chart")
         with progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()) as bar:
             task = bar.add_task("loading the model", total=None)
@@ -299,6 +330,8 @@ def eval_(
                 report, stopped = e.report, True
         if out is not None:
             write_atomic(partial_path(out) if stopped else out, json.dumps(report, indent=2) + "\n", "eval output")
+            if not stopped:
+                chart = write_chart(report, out.with_suffix(".png"))
     except UserError as e:
         fail(str(e))
     except KeyboardInterrupt:  # before the first decode began
@@ -306,10 +339,15 @@ def eval_(
                      + (f" ({out} is unchanged)" if out else ""), highlight=False, soft_wrap=True)
         raise typer.Exit(130)
     if out is None or not stopped:
+        edits = False
         for name, entry in report["files"].items():
             if entry["policies"]:
                 console.print(eval_table(name, entry))
-        console.print(Text(EVAL_LEGEND, style="dim"))
+                table = edit_table(name, entry)
+                if table is not None:
+                    console.print(table)
+                    edits = True
+        console.print(Text(EVAL_LEGEND + ("\n" + EDIT_LEGEND if edits else ""), style="dim"))
     if stopped:
         done = sum(len(entry["policies"]) for entry in report["files"].values())
         runs = f"{done} finished policy run{'s' * (done != 1)}"
@@ -318,6 +356,8 @@ def eval_(
         raise typer.Exit(130)
     if out is not None:
         console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+        console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for "
+                      "matplotlib)", highlight=False, soft_wrap=True)
 
 
 recipe_app = typer.Typer(no_args_is_help=True, help="Inspect recipes.")

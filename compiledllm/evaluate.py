@@ -1,10 +1,12 @@
 """Quality evaluation: decode task files with several policies and measure what each one costs.
 
 A task file is JSONL, one task a line: the prompt (`prompt_ids`, or `prompt` text) and the reference
-continuation (`reference_ids`, or `reference` text), optionally an `id`. Token ids take precedence (they are
-the exact token boundary of the original text; re-encoding prompt and reference separately can split a
-token differently); an eval recipe with `tokens: text` encodes the text fields instead where a task has them
-(for models with another tokenizer).
+continuation (`reference_ids`, or `reference` text), optionally an `id` and a `metric` ("exact", the only one:
+the generated tokens are compared with the reference's, position by position); other keys (e.g. `meta`) are
+ignored. Token ids take precedence (they are the exact token boundary of the original text; re-encoding
+prompt and reference separately can split a token differently, which load_tasks warns about); an eval recipe with
+`tokens: text` encodes the text fields instead where a task has them (for models with another tokenizer). Text is
+encoded with the model's tokenizer, without special tokens.
 
 Per policy and task file it reports:
   exact_match      share of tasks whose first len(reference) generated tokens equal the reference
@@ -12,7 +14,15 @@ Per policy and task file it reports:
   prefix_tokens    mean length of the matching prefix, in tokens
   agreement        share of generated positions equal to the reference policy's output (micro average)
   agreement_exact  share of tasks whose output equals the reference policy's output
-  forwards, tokens, tokens_per_forward, wall_s, tokens_per_s (prefill forwards are not counted)
+  forwards, tokens, tokens_per_forward, wall_s, tokens_per_s (prefill forwards are not counted), blocks
+and for the T2T policies (t2t, flowblock, flowblock_sync; policies/t2t.py EditRecord), where an edit rewrites an
+already generated token and each edited position is judged by its draft (the first token written there) and its
+final token against the reference (positions inside both the output and the reference):
+  edits            rewrites made (a position rewritten twice counts twice; the whole working length)
+  edit_blocks      decoded blocks in which at least one edit happened; edit_block_share: of `blocks`
+  edited_tokens    edited positions judged
+  edit_fixes       draft wrong, final right; edit_fix_share: of edited_tokens (None when nothing was judged)
+  edit_breaks      draft right, final wrong; edit_break_share: of edited_tokens
 The reference policy is the exact decode the others are compared with: the first policy unless `reference`
 names another (by label or index).
 """
@@ -32,6 +42,7 @@ from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_valid
 from compiledllm.threads import set_threads
 
 TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
+EDIT_KEYS = ("edits", "edit_blocks", "edit_offsets", "edit_drafts")  # EditRecord.edit_report's
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +85,7 @@ class _TaskLine(BaseModel):
     reference: Text | None = None
     prompt_ids: list[TokenId] | None = None
     reference_ids: list[TokenId] | None = None
+    metric: Literal["exact"] = "exact"
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,7 @@ def reference_index(reference: int | str | None, labels: list[str]) -> int:
 
 
 def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | None = None) -> list[Task]:
-    tasks = []
+    tasks, split = [], 0
     for n, line in enumerate(read_text(file, "task file").split("\n"), 1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
@@ -134,7 +146,7 @@ def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | Non
             rec = _TaskLine.model_validate(raw)
         except ValidationError as e:
             raise UserError(f"{file}:{n}: {first_error(e)}") from None
-        ids = {}
+        ids, encoded = {}, 0
         for key in ("prompt", "reference"):
             given, text = getattr(rec, f"{key}_ids"), getattr(rec, key)
             if given is not None and (tokens == "ids" or text is None):
@@ -143,13 +155,20 @@ def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | Non
                 if tokenizer is None:
                     raise UserError(f"{file}:{n}: {key} is text but the model has no tokenizer.json")
                 ids[key] = tokenizer.encode(text)
+                encoded += 1
             else:
                 raise UserError(f"{file}:{n}: needs {key} (text) or {key}_ids")
         if not ids["prompt"] or not ids["reference"]:
             raise UserError(f"{file}:{n}: empty prompt or reference")
+        if encoded == 2:
+            split += tokenizer.encode(rec.prompt + rec.reference) != ids["prompt"] + ids["reference"]
         tasks.append(Task(f"{file.stem}/{n}" if rec.id is None else str(rec.id), ids["prompt"], ids["reference"]))
     if not tasks:
         raise UserError(f"{file}: task file holds no tasks")
+    if split:  # the model reads the joined text's tokens: a reference split otherwise is hard to match
+        log.warning("%s: %d of %d text tasks tokenize differently joined (prompt + reference) than apart, so the "
+                    "model may not be able to produce the reference's ids: end the prompt where a token ends, or give "
+                    "prompt_ids / reference_ids", file, split, len(tasks))
     return tasks
 
 
@@ -173,6 +192,23 @@ def agreement_scores(outputs: list[list[int]], reference_outputs: list[list[int]
         same += sum(a == b for a, b in zip(out, ref))
         exact += out == ref
     return {"agreement": same / max(total, 1), "agreement_exact": exact / max(len(outputs), 1)}
+
+
+def edit_scores(outputs: list[list[int]], references: list[list[int]], records: list[dict]) -> dict:
+    """Edits judged against the reference: records are EditRecord.edit_report's, one per task (edits,
+    edit_blocks, edit_offsets and their edit_drafts, offsets counted from the prompt's end)."""
+    judged = fixes = breaks = 0
+    for out, ref, rec in zip(outputs, references, records):
+        for off, draft in zip(rec["edit_offsets"], rec["edit_drafts"]):
+            if off >= min(len(out), len(ref)):
+                continue  # past the output (EOS, max_new_tokens) or the reference: nothing to judge it by
+            judged += 1
+            fixes += draft != ref[off] and out[off] == ref[off]
+            breaks += draft == ref[off] and out[off] != ref[off]
+    share = lambda k: k / judged if judged else None  # noqa: E731
+    return {"edits": sum(r["edits"] for r in records), "edit_blocks": sum(r["edit_blocks"] for r in records),
+            "edited_tokens": judged, "edit_fixes": fixes, "edit_breaks": breaks, "edit_fix_share": share(fixes),
+            "edit_break_share": share(breaks)}
 
 
 class EvalInterrupted(KeyboardInterrupt):
@@ -217,6 +253,7 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
                      on_policy, on_result) -> None:
     """One policy over the tasks: its outputs and metrics (agreement is added once the reference is known)."""
     from compiledllm.engine import Engine, EngineConfig
+    from compiledllm.policies.t2t import EditRecord
 
     prompts = [t.prompt_ids for t in tasks]
     refs = [t.reference_ids for t in tasks]
@@ -225,6 +262,9 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     params = {k: v for k, v in policy.items() if k != "label"}
     engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
                                         cuda_graphs=cuda_graphs))
+    tracked = isinstance(engine.policy, EditRecord)
+    if tracked:  # drafts at the positions scored: the first n_new generated ones
+        engine.policy.track_edits(n_new)
     t0 = time.perf_counter()
     results = engine.generate(prompts, on_result=on_result)
     if model.device.type == "cuda":
@@ -234,13 +274,18 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     wall = time.perf_counter() - t0 - engine.startup_s  # compile / graph capture is not decoding time
     outs = [r.output_ids for r in results]
     tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
+    blocks = sum(r.blocks for r in results)
     outputs[label] = outs
-    metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
-                      "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
-                      "tokens_per_s": tokens / max(wall, 1e-9)}
-    stats = [r.extra for r in results if r.extra]
+    m = metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
+                          "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
+                          "tokens_per_s": tokens / max(wall, 1e-9), "blocks": blocks}
+    extras = [dict(r.extra) for r in results]
+    if tracked:
+        m |= edit_scores(outs, refs, [{k: e.pop(k) for k in EDIT_KEYS} for e in extras])
+        m["edit_block_share"] = m["edit_blocks"] / max(blocks, 1)
+    stats = [e for e in extras if e]
     if stats:  # the policy's own statistics (Policy.report), summed over the tasks
-        metrics[label]["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
+        m["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
     log.info("%s: %d tasks, %d tokens in %d forwards, %.2f s", label, len(tasks), tokens, forwards, wall)
 
 
@@ -310,5 +355,50 @@ def quality_numbers(report: dict) -> dict:
                    for label, met in f["policies"].items()} for name, f in report["files"].items()}
 
 
+def write_chart(report: dict, path: Path) -> Path | None:
+    """Bars of each policy's exact match (left axis) beside its tokens per forward (right axis), values on the
+    bars, one panel per task file. None when matplotlib is missing or no policy finished."""
+    files = {name: f for name, f in report["files"].items() if f["policies"]}
+    if not files:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    most = max(len(f["policies"]) for f in files.values())
+    fig, axes = plt.subplots(len(files), 1, figsize=(max(6.0, 1.3 * most + 2), 3.6 * len(files)), squeeze=False)
+    for ax, (name, f) in zip(axes[:, 0], files.items()):
+        labels = list(f["policies"])
+        x = range(len(labels))
+        em = ax.bar([i - 0.2 for i in x], [f["policies"][lb]["exact_match"] for lb in labels], 0.4,
+                    color="#4477aa", label="exact match")
+        ax.bar_label(em, fmt="%.2f", padding=2, fontsize=8)
+        ax.set_ylim(0, 1.3)  # headroom: the legend sits above the bars
+        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+        ax.set_ylabel("exact match", color="#4477aa")
+        right = ax.twinx()
+        tpf = [f["policies"][lb]["tokens_per_forward"] for lb in labels]
+        bars = right.bar([i + 0.2 for i in x], tpf, 0.4, color="#cc6677", label="tokens per forward")
+        right.bar_label(bars, fmt="%.2f", padding=2, fontsize=8)
+        right.set_ylim(0, max(tpf) * 1.3 or 1)
+        right.set_ylabel("tokens per forward", color="#cc6677")
+        tilt = max(map(len, labels)) > 12  # long labels slant so that they do not overlap
+        ax.set_xticks(list(x), labels, rotation=20 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
+        ax.set_title(f"{name} · {f['tasks']} tasks · {f['max_new_tokens']} new tokens", fontsize=9)
+        ax.legend(handles=[em, bars], loc="upper left", fontsize=7, frameon=False)
+    fig.suptitle(f"{report['model']} on {report['device']}: quality vs tokens per forward", fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise UserError(f"eval chart: cannot write {path} ({e.strerror})") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
 __all__ = ["EvalInterrupted", "EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
-           "continuation_scores", "agreement_scores", "resolved_eval_recipe"]
+           "continuation_scores", "agreement_scores", "edit_scores", "resolved_eval_recipe", "write_chart"]

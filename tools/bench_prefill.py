@@ -61,11 +61,12 @@ def run_variant(model, prompts, chunk: int, tokens: int, compile: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", default="llada2.0-mini:4096x1,4096x8,16384x8,32768x8,32768x32;sdar-8b:4096x8,16384x8")
-    ap.add_argument("--chunks", default="2048", help="chunk sizes of the batched variants")
+    ap.add_argument("--plan", default="llada2.0-mini:4000x1,4000x8,16000x8,32000x8,32000x32;sdar-8b:4000x8,16000x8")
+    ap.add_argument("--chunks", default="1024,2048,4096", help="chunk sizes of the batched eager variants")
+    ap.add_argument("--compiled-chunk", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per prefill forward (batched variants)")
     ap.add_argument("--variants", default="rows1-1024,eager,compiled")
-    ap.add_argument("--compiled-at", default="llada2.0-mini:4096x8,32768x8",
+    ap.add_argument("--compiled-at", default="llada2.0-mini:4000x8,32000x8",
                     help="the points that also run the compiled variant (each engine compiles the decode step too)")
     ap.add_argument("--baseline-max-tokens", type=int, default=300_000,
                     help="skip the one-row baseline above this many prompt tokens (it is the slow one)")
@@ -81,6 +82,9 @@ def main() -> None:
         preset, points = item.split(":")
         model = build_random(preset, device="cuda", dtype=torch.bfloat16)
         vocab = model.config.vocab_size
+        warm = torch.randint(3, vocab - 3, (2, 4096), generator=torch.Generator().manual_seed(0)).tolist()
+        for chunk, tokens in ((1024, 1024), *((int(c), args.tokens) for c in args.chunks.split(","))):  # kernels' first-call JIT
+            run_variant(model, warm, chunk, tokens, False)
         for point in points.split(","):
             prompt, batch = map(int, point.split("x"))
             g = torch.Generator().manual_seed(prompt + batch)
@@ -93,8 +97,10 @@ def main() -> None:
                 if v == "rows1-1024":
                     if batch * prompt <= args.baseline_max_tokens:
                         names.append((v, 1024, 1024, False))
-                elif v != "compiled" or (preset, point) in compiled_at:
-                    names += [(f"{v}-{c}", int(c), args.tokens, v == "compiled") for c in args.chunks.split(",")]
+                elif v == "eager":
+                    names += [(f"eager-{c}", int(c), args.tokens, False) for c in args.chunks.split(",")]
+                elif v == "compiled" and (preset, point) in compiled_at:
+                    names.append((f"compiled-{args.compiled_chunk}", args.compiled_chunk, args.tokens, True))
             for name, chunk, tokens, comp in names:
                 try:
                     r = run_variant(model, prompts, chunk, tokens, comp)

@@ -29,7 +29,7 @@ from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, State, check_probability, top_confident
 from compiledllm.policies.plan import Forward, Update
-from compiledllm.policies.t2t import T2TConfig
+from compiledllm.policies.t2t import EditRecord, T2TConfig, slide_blocks
 
 # where a token was first drafted (M2T): in block L, or in a block after it; EDITED added once T2T changed it
 FRONT, DOWNSTREAM, EDITED = 1, 2, 2
@@ -48,7 +48,7 @@ class FlowBlockConfig(T2TConfig):
         check_probability("spawn", self.spawn)
 
 
-class FlowBlockPolicy(Policy):
+class FlowBlockPolicy(EditRecord, Policy):
     name = "flowblock"
     config: FlowBlockConfig
 
@@ -65,7 +65,8 @@ class FlowBlockPolicy(Policy):
         # more: R - L - 1; post: each window block's post-step counter; drafted: FRONT / DOWNSTREAM (+ EDITED) per
         # window position; the four counters feed report(): drafts, and drafts T2T edited later (each counted once)
         return {"more": z(batch), "post": z(batch, self.W), "drafted": z(batch, q), "front_drafts": z(batch),
-                "down_drafts": z(batch), "front_edits": z(batch), "down_edits": z(batch), "draws": z(batch)}
+                "down_drafts": z(batch), "front_edits": z(batch), "down_edits": z(batch), "draws": z(batch),
+                **self.edit_state(batch, self.W, device)}
 
     def window(self, st):
         """(idx, tokens, gen, live) [B, W * Bk]: window positions, tokens, changeable, admitted (inside R)."""
@@ -117,14 +118,10 @@ class FlowBlockPolicy(Policy):
 
         new_tokens = torch.where(m2t | t2t, v3, t3).view(B, W * Bk)
         state = self._track(st.policy, m2t.view(B, -1), t2t.view(B, -1), retire)
-        state |= {"more": (new_width - 1).clamp(min=0), "post": self._shift(post, retire, 1),
+        state |= self.edit_update(st.policy, idx, tokens, new_tokens, gen, st.prompt_len, retire)
+        state |= {"more": (new_width - 1).clamp(min=0), "post": slide_blocks(post, retire, 1),
                   "draws": st.policy["draws"] + 1}  # kept updates: sampling's counter (flowblock_sync discards some)
         return Update(torch.where(gen, idx, -1), new_tokens, retire, state)
-
-    def _shift(self, x: torch.Tensor, blocks: torch.Tensor, per_block: int) -> torch.Tensor:
-        """x [B, W * per_block] window-aligned, slid left by `blocks` blocks per row (zeros enter on the right)."""
-        j = torch.arange(x.shape[1], device=x.device)[None] + blocks[:, None] * per_block
-        return torch.where(j < x.shape[1], x.gather(1, j.clamp(max=x.shape[1] - 1)), 0)
 
     def _track(self, s: State, m2t: torch.Tensor, t2t: torch.Tensor, retire: torch.Tensor) -> State:
         """Where each token was first drafted, and how many of those drafts T2T edited later (the share of
@@ -133,7 +130,7 @@ class FlowBlockPolicy(Policy):
         was = s["drafted"]
         first_edit = t2t & ((was == FRONT) | (was == DOWNSTREAM))
         drafted = torch.where(m2t, torch.where(front, FRONT, DOWNSTREAM), was + EDITED * first_edit.long())
-        return {"drafted": self._shift(drafted, retire, self.block_size),
+        return {"drafted": slide_blocks(drafted, retire, self.block_size),
                 "front_drafts": s["front_drafts"] + (m2t & front).sum(1),
                 "down_drafts": s["down_drafts"] + (m2t & ~front).sum(1),
                 "front_edits": s["front_edits"] + (first_edit & (was == FRONT)).sum(1),
@@ -141,4 +138,4 @@ class FlowBlockPolicy(Policy):
 
     def report(self, st, slot: int) -> dict:
         keys = ("front_drafts", "down_drafts", "front_edits", "down_edits")
-        return dict(zip(keys, torch.stack([st.policy[k][slot] for k in keys]).tolist()))
+        return dict(zip(keys, torch.stack([st.policy[k][slot] for k in keys]).tolist())) | self.edit_report(st, slot)

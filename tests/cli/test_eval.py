@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from typer.testing import CliRunner
 
 from compiledllm.cli import app
 from compiledllm.errors import UserError
-from compiledllm.evaluate import (agreement_scores, continuation_scores, load_eval_recipe, load_tasks,
+from compiledllm.evaluate import (agreement_scores, continuation_scores, edit_scores, load_eval_recipe, load_tasks,
                                   quality_numbers, run_eval)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +68,24 @@ def test_metrics_by_hand():
     assert a["agreement"] == pytest.approx(3 / 5) and a["agreement_exact"] == 0.0
 
 
+def test_edit_scores_by_hand():
+    outs = [[1, 2, 3, 4], [5, 4]]
+    refs = [[1, 9, 3], [5, 6, 7]]
+    records = [{"edits": 5, "edit_blocks": 2, "edit_offsets": [0, 1, 2, 3], "edit_drafts": [7, 2, 3, 8]},
+               {"edits": 1, "edit_blocks": 1, "edit_offsets": [1, 5], "edit_drafts": [6, 6]}]
+    # task 0: offset 0 fixed (7 -> 1), 1 wrong -> wrong, 2 right -> right (edited away and back), 3 past the
+    # reference; task 1: offset 1 broken (6 -> 4), 5 past the output
+    s = edit_scores(outs, refs, records)
+    assert s == {"edits": 6, "edit_blocks": 3, "edited_tokens": 4, "edit_fixes": 1, "edit_breaks": 1,
+                 "edit_fix_share": 0.25, "edit_break_share": 0.25}
+    none = edit_scores([[1]], [[1]], [{"edits": 0, "edit_blocks": 0, "edit_offsets": [], "edit_drafts": []}])
+    assert none["edited_tokens"] == 0 and none["edit_fix_share"] is None and none["edit_break_share"] is None
+
+
 def test_text_tasks_and_reference_by_index(tmp_path):
     file = tmp_path / "t.jsonl"
-    file.write_text(json.dumps({"prompt": "def add(a, b):\n    return a", "reference": " + b"}) + "\n\n"
+    file.write_text(json.dumps({"prompt": "def add(a, b):\n    return a", "reference": " + b", "metric": "exact"})
+                    + "\n\n"
                     + json.dumps({"prompt_ids": [5, 6, 7], "reference_ids": [8, 9]}) + "\n")
     rec = {"model": {"path": "tiny-llada2"}, "tasks": [str(file)], "reference": 1, "output": None, "tokens": "text",
            "policies": [{"name": "threshold", "block_size": 8, "threshold": 0.9}, {"name": "threshold", "block_size": 8}]}
@@ -77,6 +93,20 @@ def test_text_tasks_and_reference_by_index(tmp_path):
     entry = report["files"]["t.jsonl"]
     assert entry["tasks"] == 2 and entry["reference"] == "threshold(block_size=8)"
     assert entry["policies"]["threshold(block_size=8)"]["agreement"] == 1.0
+
+
+def test_text_tasks_split_inside_a_token_are_flagged(tmp_path, caplog, monkeypatch):
+    from compiledllm.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(ROOT / "compiledllm" / "assets" / "tiny-llada2")
+    file = tmp_path / "split.jsonl"
+    file.write_text(json.dumps({"prompt": "def ad", "reference": "d(a, b)"}) + "\n"  # "add" cut in two
+                    + json.dumps({"prompt": "def add(a, b):\n    return a", "reference": " + b"}) + "\n")
+    monkeypatch.setattr(logging.getLogger("compiledllm"), "propagate", True)  # the CLI tests turn it off
+    with caplog.at_level("WARNING", logger="compiledllm.evaluate"):
+        tasks = load_tasks(file, tok)
+    assert [t.reference_ids for t in tasks] == [tok.encode("d(a, b)"), tok.encode(" + b")]
+    assert len(caplog.records) == 1 and "1 of 2 text tasks" in caplog.text
 
 
 @pytest.mark.parametrize("change, message", [
@@ -100,6 +130,9 @@ def test_bad_task_files(tmp_path):
         load_tasks(bad)
     bad.write_text("{not json\n")
     with pytest.raises(UserError, match="malformed"):
+        load_tasks(bad)
+    bad.write_text('{"prompt_ids": [1], "reference_ids": [2], "metric": "bleu"}\n')
+    with pytest.raises(UserError, match="bad.jsonl:1: metric"):
         load_tasks(bad)
     with pytest.raises(UserError, match="not found"):
         load_tasks(tmp_path / "missing.jsonl")
@@ -159,15 +192,29 @@ def test_eval_progress_legend_and_80_columns(tmp_path, monkeypatch):
     assert "…" not in res.stdout and max(map(len, lines)) <= 80, res.stdout  # CliRunner's console: 80 columns
     for word in ("policy", "EM", "tok", "acc", "prefix", "agree", "forwards", "fwd", "tok/s", "threshold-0.95"):
         assert word in res.stdout, word
-    for column in ("EM ", "tok acc ", "prefix ", "agree ", "agree EM ", "forwards ", "tok/fwd ", "tok/s "):
+    for column in ("EM ", "tok acc ", "prefix ", "agree ", "agree EM ", "forwards ", "tok/fwd ", "tok/s ",
+                   "edits ", "judged ", "fixed ", "broke ", "blocks ", "edited "):
         assert any(line.startswith(column) for line in lines), (column, res.stdout)  # the legend
-    assert "wrote" in res.stdout and json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]
+    assert "t.jsonl · T2T edits" in res.stdout
+    assert "wrote" in res.stdout and f"chart: {tmp_path / 'report.png'}" in res.stdout
+    policies = json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]["policies"]
+    assert "edits" not in policies["threshold-0.95"]  # threshold never edits: no edit figures
+    t2t = policies["t2t"]
+    assert t2t["blocks"] > 0 and 0 <= t2t["edit_blocks"] <= t2t["blocks"] and t2t["edited_tokens"] <= t2t["edits"]
+    assert t2t["edit_block_share"] == pytest.approx(t2t["edit_blocks"] / t2t["blocks"])
+    assert t2t["edit_fixes"] + t2t["edit_breaks"] <= t2t["edited_tokens"]
+    assert "policy_stats" not in t2t  # the per-task edit records are scored, not summed
+    png = (tmp_path / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(tmp_path / "report.png").shape[2] in (3, 4)  # decodes as an image
 
 
 def test_eval_table_fits_80_columns():
     from rich.console import Console
 
-    from compiledllm.cli import EVAL_LEGEND, eval_table
+    from compiledllm.cli import EDIT_LEGEND, EVAL_LEGEND, edit_table, eval_table
 
     m = {"exact_match": 1.0, "token_accuracy": 0.875, "prefix_tokens": 12.34, "agreement": 0.999,
          "agreement_exact": 0.5, "forwards": 123456, "tokens_per_forward": 12.34, "tokens_per_s": 12345.6}
@@ -181,6 +228,16 @@ def test_eval_table_fits_80_columns():
                  "flowblock-w2-s0.6", "123456", "12345.6", "0.875", "12.34"):
         assert word in text, (word, text)
     assert max(map(len, EVAL_LEGEND.splitlines())) <= 80
+    edits = {"edits": 123456, "edited_tokens": 12345, "edit_fix_share": 0.875, "edit_break_share": None,
+             "blocks": 123456, "edit_block_share": 0.05}
+    entry["policies"] = {"threshold-0.95": m, "flowblock-w2-s0.6": m | edits, "t2t": m | edits}
+    console.print(edit_table("code_short.jsonl", entry))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    assert "threshold-0.95" not in text.split("T2T edits")[1]  # only the policies that edit
+    for word in ("flowblock-w2-s0.6", "123456", "12345", "0.875", "0.050", " -"):
+        assert word in text, (word, text)
+    assert max(map(len, EDIT_LEGEND.splitlines())) <= 80
 
 
 def test_eval_quiet_writes_the_report_and_logs_at_info(tmp_path):
