@@ -8,6 +8,13 @@ text. The bigram baseline is counted on this interpreter's copies of the trainin
 
     python tools/build_tasks.py --checkpoint compiledllm/assets/tiny-llada2 --results docs/results/tiny_model.json \
         --tasks-out compiledllm/assets/tasks --eval
+
+With --synthetic it writes the generated-task files instead (tools/synth_tasks.py, from their fixed seed): arithmetic,
+lists, retrieval at 1K / 2K / 4K / 8K tokens of context and variable binding, text prompts and references sized with
+the tokenizer of --checkpoint (or, without one, the tokenizer train_tiny's new kinds train: byte-level BPE of
+--vocab tokens, digits split, on this interpreter's training files), filler from the held-out files:
+
+    python tools/build_tasks.py --synthetic --tasks-out compiledllm/assets/tasks [--checkpoint OUT/checkpoint]
 """
 from __future__ import annotations
 
@@ -26,8 +33,12 @@ import train_tiny as T  # noqa: E402
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", type=Path, required=True)
-    ap.add_argument("--results", type=Path, required=True, help="the training run's results.json (updated in place)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="required without --synthetic")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="the training run's results.json (updated in place; required without --synthetic)")
+    ap.add_argument("--synthetic", action="store_true", help="write the generated-task files (see above)")
+    ap.add_argument("--kind", default="tiny-llada2.1", help="--synthetic: whose file plan (tiny-llada2.1: all files)")
+    ap.add_argument("--vocab", type=int, default=4096, help="--synthetic without --checkpoint: tokenizer size")
     ap.add_argument("--tasks-out", type=Path, required=True)
     ap.add_argument("--holdout", type=float, default=None, help="default: the training run's")
     ap.add_argument("--seed", type=int, default=0)
@@ -38,6 +49,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
+
+    if args.synthetic:
+        return synthetic(args)
+    if args.checkpoint is None or args.results is None:
+        ap.error("--checkpoint and --results are required (or give --synthetic)")
 
     results = json.loads(args.results.read_text())
     holdout = args.holdout if args.holdout is not None else results["data"]["holdout"]
@@ -73,6 +89,27 @@ def main(argv=None) -> dict:
             args.card.write_text(T.metrics_tables(results) + "\n")
     args.results.write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def synthetic(args) -> dict:
+    import train_kinds as K
+    from tokenizers import Tokenizer
+
+    files = D.read_corpus(D.stdlib_root())
+    train_files, held_files = D.split(files, 0.10 if args.holdout is None else args.holdout)
+    if args.checkpoint is not None:
+        tok = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
+    else:
+        tok = D.train_tokenizer([f.text for f in train_files], args.vocab, digits=True)
+    plan = K.synth_plan(args.kind, "full")
+    written = K.write_synthetic(plan, tok, [f.text for f in held_files if not f.is_test], args.tasks_out)
+    summary = {}
+    for name, path in written.items():
+        recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+        sizes = [r["meta"]["prompt_tokens"] for r in recs if "prompt_tokens" in r["meta"]]
+        summary[name] = {"tasks": len(recs), **({"prompt_tokens": [min(sizes), max(sizes)]} if sizes else {})}
+        print(f"{path}: {json.dumps(summary[name])}", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

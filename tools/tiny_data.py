@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import hashlib
 import json
 import keyword
@@ -40,9 +41,14 @@ def is_held_out(rel: str, holdout: float) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % 1000 < round(1000 * holdout)
 
 
+@functools.lru_cache(maxsize=4)
+def _python_files(root: Path) -> tuple[Path, ...]:
+    return tuple(sorted(root.rglob("*.py")))  # the stdlib walk takes seconds: once per process
+
+
 def read_corpus(root: Path, max_files: int | None = None, max_bytes: int = 2_000_000) -> list[SourceFile]:
     files = []
-    for p in sorted(root.rglob("*.py")):
+    for p in _python_files(Path(root)):
         parts = p.relative_to(root).parts
         if any(s in SKIP_DIRS for s in parts) or not p.is_file() or p.stat().st_size > max_bytes:
             continue
@@ -63,12 +69,15 @@ def split(files: list[SourceFile], holdout: float) -> tuple[list[SourceFile], li
     return train, held
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with <|endoftext|>, <|pad|>, <|mask|> first."""
+def train_tokenizer(texts: list[str], vocab_size: int, digits: bool = False):
+    """Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with <|endoftext|>, <|pad|>, <|mask|> first.
+    digits: every digit is a token of its own (the arithmetic and retrieval tasks read numbers digit by digit)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

@@ -31,6 +31,14 @@ expert_bias moves by --bias-rate towards equal expert load.
 
 Usage (the shipped checkpoint): python tools/train_tiny.py --out /tmp/tiny --time-budget 420
 Smoke test: python tools/train_tiny.py --preset tiny --steps 3 --max-files 40 --out /tmp/t
+
+Everything above is the legacy kind, `--kind tiny-llada2` (the default, kept as it was so that the shipped model's
+command reproduces it). `--kind tiny-llada2.1` (LLaDA2 MoE, 16 experts, context 8192, block diffusion + T2T) and
+`--kind tiny-llada` (LLaDA, bidirectional MHA, context 2048, masked diffusion) train on the stdlib mixed with
+generated tasks (tools/train_kinds.py, tools/tiny_mix.py, tools/synth_tasks.py), resume with `--resume DIR/state`,
+and by default end by --deadline 510 s:
+  python tools/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21
+  python tools/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b --deadline 510
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ import tiny_data as D  # noqa: E402
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask  # noqa: E402
 from compiledllm.builtin import init_random  # noqa: E402
 from compiledllm.loader import load_model, materialize, parse_model_config  # noqa: E402
-from compiledllm.models.layers import MoE  # noqa: E402
+from tiny_fast import attach_load_counters, balance_experts, detach_load_counters  # noqa: E402,F401
 from compiledllm.policies.plan import Forward  # noqa: E402
 from compiledllm.save import save_model  # noqa: E402
 from compiledllm.tokenizer import TextTokenizer  # noqa: E402
@@ -94,16 +102,20 @@ def hf_config(preset: str, vocab: int, seq_len: int) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output dir: checkpoint/, tasks/, results.json, ...")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    ap.add_argument("--kind", choices=("tiny-llada2", "tiny-llada2.1", "tiny-llada"), default="tiny-llada2",
+                    help="model kind (tiny-llada2: the legacy shipped model)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="full", help="size: full, or tiny (smoke tests)")
     ap.add_argument("--corpus", type=Path, default=None, help="source root (default: this interpreter's stdlib)")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N files (smoke tests)")
     ap.add_argument("--holdout", type=float, default=0.10)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: fill --time-budget)")
-    ap.add_argument("--time-budget", type=float, default=420.0, help="training wall-clock seconds")
-    ap.add_argument("--deadline", type=float, default=None, help="whole-script seconds; eval is trimmed to fit")
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: fill --time-budget); with --resume, counted from step 0")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="training wall-clock seconds (tiny-llada2: 420; new kinds: up to the deadline)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="whole-script seconds; eval is trimmed to fit (new kinds: 510)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -118,18 +130,42 @@ def parse_args(argv=None):
     ap.add_argument("--eval", choices=("full", "quick", "none"), default="full")
     ap.add_argument("--package", type=Path, default=None,
                     help="also copy the weights and a bundle.tar.gz of everything else here, after saving and at the end")
+    new = ap.add_argument_group("tiny-llada2.1 / tiny-llada (--seq-len and --batch set the short steps)")
+    new.add_argument("--resume", type=Path, default=None, help="continue from a state dir (OUT/state of a run)")
+    new.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="dtype of the saved parameters and optimizer moments (float32: exact resume)")
+    new.add_argument("--long-len", type=int, default=None, help="long-step window (0: none)")
+    new.add_argument("--long-batch", type=int, default=None)
+    new.add_argument("--long-from", type=int, default=None, help="first long step")
+    new.add_argument("--long-every", type=int, default=None, help="then every N-th step is long")
+    new.add_argument("--noisy-cap", type=int, default=None, help="noisy tokens per long window")
+    new.add_argument("--mix", type=float, nargs=3, default=None, metavar=("CODE", "TASKS", "LOOKUP"),
+                     help="window shares of the short steps")
+    new.add_argument("--decay-frac", type=float, default=0.2, help="lr decays linearly over this last share of steps")
+    new.add_argument("--rewarm", type=int, default=20, help="steps of lr ramp after --resume")
+    new.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines")
+    new.add_argument("--no-flex", dest="flex", action="store_false", help="SDPA with dense masks on CUDA too")
     args = ap.parse_args(argv)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.kind != "tiny-llada2":
+        import train_kinds
+
+        train_kinds.fill_defaults(args)
+        return args
+    if args.resume is not None:
+        raise SystemExit("--resume: only the tiny-llada2.1 and tiny-llada kinds resume")
+    args.time_budget = 420.0 if args.time_budget is None else args.time_budget
     run = PRESETS[args.preset]["run"]
     args.vocab = args.vocab or run["vocab"]
     args.seq_len = args.seq_len or run["seq_len"]
     args.batch = args.batch or run["batch"]
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return args
 
 
 class Log:
-    def __init__(self, path: Path):
-        self.file = path.open("w")
+    def __init__(self, path: Path, append: bool = False):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a" if append else "w")
         self.t0 = time.time()
 
     def __call__(self, msg: str, **rec) -> None:
@@ -193,33 +229,6 @@ def loss_terms(logits, x0, masked, corrupt, keep_weight):
     return loss, masked_loss, acc
 
 
-def attach_load_counters(model) -> list[MoE]:
-    """Record each MoE layer's expert choices (eager sparse path) for the bias balancing."""
-    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-    for m in moes:
-        def route(x, backend="auto", m=m):
-            ids, w = MoE.route(m, x, backend)
-            flat = ids.flatten()  # scatter_add rather than bincount: no host sync
-            m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
-            return ids, w
-        m.route = route
-    return moes
-
-
-def detach_load_counters(moes) -> None:
-    for m in moes:
-        m.__dict__.pop("route", None)
-        m.__dict__.pop("_load", None)
-
-
-@torch.no_grad()
-def balance_experts(moes, rate: float) -> None:
-    for m in moes:
-        load = m._load.float()
-        m.expert_bias.add_(rate * torch.sign(load.mean() - load))
-
-
 def lr_at(step: int, total: int | None, args) -> float:
     warm = args.warmup if total is None else min(args.warmup, max(1, total // 10))
     if step < warm:
@@ -236,7 +245,7 @@ def build_model(cfg: dict, device, seed: int):
     model = materialize(parse_model_config(cfg, "train_tiny"), device, torch.float32)
     init_random(model, seed, std=0.02, embed_std=0.02)
     with torch.no_grad():  # GPT-2 style: residual output projections scaled by 1/sqrt(2 * layers)
-        scale = (2 * cfg["num_hidden_layers"]) ** -0.5
+        scale = (2 * model.config.num_layers) ** -0.5
         for name, p in model.named_parameters():
             if name.endswith(("attn.o.weight", "down.weight", "w_down")):
                 p.mul_(scale)
@@ -353,16 +362,17 @@ def train(model, stream: torch.Tensor, held_stream: torch.Tensor, args, log: Log
 # -------------------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, seed: int, batch: int = 8) -> dict:
+def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, seed: int, batch: int = 8,
+                    modes: tuple[str, ...] = ("block_32", "bidirectional")) -> dict:
     """Masked-token accuracy of held-out windows by masking ratio: block diffusion with block 32 (clean earlier
     blocks, every block masked at the ratio) and fully bidirectional (the whole window masked at the ratio)."""
     dev = model.device
     n = min(n_windows, max(1, (held_stream.numel() - 1) // L))
     gen = torch.Generator(device=dev).manual_seed(seed)
     starts = torch.arange(n, device=dev) * L
-    out = {"windows": n, "window_tokens": L, "block_32": {}, "bidirectional": {}}
+    out = {"windows": n, "window_tokens": L, **{m: {} for m in modes}}
     for r in RATIOS:
-        hit = {"block_32": 0.0, "bidirectional": 0.0}
+        hit = {m: 0.0 for m in modes}
         cnt = 0.0
         for b0 in range(0, n, batch):
             x0 = held_stream[starts[b0 : b0 + batch, None] + torch.arange(L, device=dev)]
@@ -370,9 +380,12 @@ def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, se
             masked[:, 0] |= ~masked.any(1)
             xt = torch.where(masked, D.MASK, x0)
             bid = (torch.arange(L, device=dev) // 32)[None].expand_as(x0)
-            preds = {"block_32": bd_logits(model, xt, x0, bid),
-                     "bidirectional": model(Forward(xt, torch.arange(L, device=dev)[None].expand_as(x0),
-                                                    AttentionSpec(BlockCausal(L)), float_logits=True))}
+            preds = {}
+            if "block_32" in modes:
+                preds["block_32"] = bd_logits(model, xt, x0, bid)
+            if "bidirectional" in modes:
+                preds["bidirectional"] = model(Forward(xt, torch.arange(L, device=dev)[None].expand_as(x0),
+                                                       AttentionSpec(BlockCausal(L)), float_logits=True))
             for k, lg in preds.items():
                 lg[..., D.MASK] = float("-inf")
                 hit[k] += ((lg.argmax(-1) == x0) & masked).sum().item()
@@ -383,7 +396,8 @@ def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, se
 
 
 def eval_tasks(model, task_files: dict[str, Path], table, batch_size: int, log: Log, deadline_at: float,
-               limit: int | None = None) -> dict:
+               limit: int | None = None, tokenizer=None, policies: list[dict] | None = None) -> dict:
+    """Every task file through the engine with `policies` (EVAL_POLICIES); text tasks are encoded with `tokenizer`."""
     from compiledllm.evaluate import continuation_scores, evaluate, load_tasks
 
     res = {}
@@ -391,13 +405,13 @@ def eval_tasks(model, task_files: dict[str, Path], table, batch_size: int, log: 
         if not file.read_text().strip():
             res[name] = {"skipped": "no tasks"}
             continue
-        tasks = load_tasks(file, limit=limit)
+        tasks = load_tasks(file, tokenizer, limit=limit)
         if time.time() > deadline_at:
             log(f"skipping {name}: past the deadline")
             res[name] = {"skipped": "deadline"}
             continue
         try:
-            r = evaluate(model, tasks, EVAL_POLICIES, batch_size=batch_size, cuda_graphs=False)
+            r = evaluate(model, tasks, policies or EVAL_POLICIES, batch_size=batch_size, cuda_graphs=False)
         except Exception as e:  # keep the run's other results; say what failed
             log(f"engine eval of {name} on {model.device} failed: {e!r}")
             res[name] = {"error": repr(e)}
@@ -425,8 +439,11 @@ def metrics_tables(results: dict) -> str:
                   "| masking ratio | " + " | ".join(str(r) for r in RATIOS) + " |",
                   "|---|" + "---:|" * len(RATIOS)]
         for mode, name in (("block_32", "block diffusion, block 32"), ("bidirectional", "bidirectional")):
+            if mode not in ma:
+                continue
             lines.append(f"| {name} | " + " | ".join(f"{ma[mode][str(r)]:.3f}" for r in RATIOS) + " |")
         lines.append("")
+    lines += synthetic_summary(results)
     for fname, r in results.get("tasks", {}).items():
         if "policies" not in r:
             lines += [f"{fname}: not evaluated ({r})", ""]
@@ -453,6 +470,31 @@ def metrics_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+def synthetic_summary(results: dict) -> list[str]:
+    """One row per evaluated task file: exact match and tokens per forward of each policy, and the needle ablation."""
+    tasks = {k: v for k, v in results.get("tasks", {}).items() if "policies" in v}
+    if not tasks or "kind" not in results:
+        return []
+    labels = list(next(iter(tasks.values()))["policies"])
+    lines = ["Summary (exact match / tokens per forward; the engine on the saved bf16 weights in float32):", "",
+             "| task file | tasks | " + " | ".join(f"`{lb}`" for lb in labels) + " |", "|---|---:|" + "---:|" * len(labels)]
+    for name, r in tasks.items():
+        cells = [f"{r['policies'][lb]['exact_match']:.3f} / {r['policies'][lb]['tokens_per_forward']:.2f}"
+                 if lb in r["policies"] else "-" for lb in labels]
+        lines.append(f"| `{name}` | {r['tasks']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    ab = results.get("needle_ablation")
+    if ab:
+        lines += [("Needle ablation (one forward: the prompt, then as many masks as the reference has tokens; argmax "
+                   "exact match with every query seeing the needle, and with the needle's tokens hidden from every "
+                   "query; chance is ~0, the answers are 5-digit values):"), "",
+                  "| task file | tasks | exact match | needle hidden |", "|---|---:|---:|---:|"]
+        for name, a in ab.items():
+            lines.append(f"| `{name}` | {a['tasks']} | {a['exact_match_full']:.3f} | {a['exact_match_needle_hidden']:.3f} |")
+        lines.append("")
+    return lines
+
+
 def task_note(results: dict) -> str:
     src = results.get("task_source")
     if not src:
@@ -463,6 +505,10 @@ def task_note(results: dict) -> str:
 
 
 def model_card(results: dict) -> str:
+    if results.get("kind", "tiny-llada2") != "tiny-llada2":
+        import tiny_card
+
+        return tiny_card.model_card(results)
     c, d, t = results["config"], results["data"], results["training"]
     params = results["parameters"]
     return f"""# tiny-llada2
@@ -543,6 +589,10 @@ def package(out: Path, dest: Path | None) -> None:
 def main(argv=None) -> dict:
     t0 = time.time()
     args = parse_args(argv)
+    if args.kind != "tiny-llada2":
+        import train_kinds
+
+        return train_kinds.main(args, t0)
     deadline_at = t0 + (args.deadline if args.deadline is not None else 1e9)
     torch.manual_seed(args.seed)
     out = args.out

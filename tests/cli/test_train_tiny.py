@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import compiledllm
@@ -89,3 +90,61 @@ def test_save_model_shards_with_index(tmp_path):
     save_model(model, tmp_path, _hf_config())
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+# --- the tiny-llada2.1 and tiny-llada kinds (issue 15): 3 steps, and 2 steps + resume == 3 steps ----------------
+
+def _train(kind: str, out: Path, *extra: str) -> dict:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_tiny
+
+    return train_tiny.main(["--kind", kind, "--preset", "tiny", "--max-files", "30", "--holdout", "0.3",
+                            "--device", "cpu", "--warmup", "2", "--decay-frac", "0", "--rewarm", "0",
+                            "--out", str(out), *extra])
+
+
+def _state(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((path / "state").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.parametrize("kind", ["tiny-llada2.1", "tiny-llada"])
+def test_new_kind_trains_saves_evaluates_and_resumes_exactly(tmp_path, kind):
+    full = _train(kind, tmp_path / "a", "--steps", "3", "--eval", "quick")
+    _train(kind, tmp_path / "b", "--steps", "2", "--eval", "none")
+    resumed = _train(kind, tmp_path / "c", "--steps", "3", "--eval", "none", "--resume", str(tmp_path / "b" / "state"))
+
+    # the resumed run trained step 3 only, and ends with the uninterrupted run's parameters and optimizer state
+    assert [(c["first_step"], c["steps"]) for c in resumed["training"]["calls"]] == [(0, 2), (2, 1)]
+    a, c = _state(tmp_path / "a"), _state(tmp_path / "c")
+    assert set(a) == set(c) and any(k.startswith("opt.") for k in a)
+    for name in a:
+        if not name.startswith("rng."):
+            assert torch.equal(a[name], c[name]), name
+    assert resumed["training"]["tokens_seen"] == full["training"]["tokens_seen"]
+
+    out = tmp_path / "a"
+    ckpt = out / "checkpoint"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
+        assert (ckpt / name).exists(), name
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    card = (ckpt / "README.md").read_text()
+    for words in ("Data and split", "Objective", "3 steps", "tokens seen", "Held-out metrics", "arithmetic.jsonl"):
+        assert words in card, words
+    synth = {"arithmetic.jsonl", "lists.jsonl", "retrieval_128.jsonl", "var_binding.jsonl"}
+    assert synth <= set(full["tasks"]) and "threshold-0.95" in full["tasks"]["arithmetic.jsonl"]["policies"]
+    assert set(full["needle_ablation"]) == {"retrieval_128.jsonl"}
+
+    model = compiledllm.load_model(ckpt)
+    cfg = model.config
+    if kind == "tiny-llada2.1":
+        assert cfg.architecture == "llada2_moe" and cfg.moe.num_experts >= 16 and cfg.moe.top_k >= 2
+        assert cfg.moe.n_group > 1 and not model.bidirectional
+    else:
+        assert cfg.architecture == "llada" and model.bidirectional and cfg.num_kv_heads == cfg.num_heads
+        assert all(k.startswith("model.transformer.") for k in model.hf_weight_map())
+    assert cfg.max_position_embeddings == 128
+    res = generate(model, [model.tokenizer.encode("12 + 34 =")], {"name": "threshold", "block_size": 8},
+                   max_new_tokens=8)
+    assert 1 <= len(res[0].output_ids) <= 8

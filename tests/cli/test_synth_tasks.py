@@ -1,0 +1,216 @@
+"""tools/synth_tasks.py and tools/tiny_mix.py: deterministic generators with exact answers, a train / eval split
+that cannot overlap, prompts sized by tokens, needles that point at what the answer depends on, training windows
+built from (seed, step) alone, and the shipped task files."""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import synth_tasks as S  # noqa: E402
+import tiny_data as D  # noqa: E402
+
+TASKS = ROOT / "compiledllm" / "assets" / "tasks"
+SYNTH_FILES = {"arithmetic": 64, "lists": 64, "retrieval_1k": 64, "retrieval_2k": 64, "retrieval_4k": 64,
+               "retrieval_8k": 32, "var_binding": 64}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    files = D.read_corpus(D.stdlib_root(), 80)
+    train, held = D.split(files, 0.3)
+    return train, [f for f in held if not f.is_test] or held
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return D.train_tokenizer([f.text for f in corpus[0]], 512, digits=True)
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def check_answer(s: S.Sample) -> None:
+    """The reference, recomputed from the prompt alone."""
+    assert s.reference == f" {s.answer}\n"
+    if s.kind in ("add", "mul"):
+        a, op, b, eq = s.prompt.split()
+        assert eq == "=" and int(s.answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+        return
+    name, shown, eq = s.prompt.split(" ", 1)[0].rstrip(":"), s.prompt.split(" ", 1)[1][:-2], s.prompt[-1]
+    xs = ast.literal_eval(shown)
+    expect = {"sort": sorted(xs), "reverse": xs[::-1], "copy": xs}[name]
+    assert eq == "=" and ast.literal_eval(s.answer) == expect and name == s.kind
+
+
+def test_short_generators_are_deterministic_and_exact(tok):
+    for kind, gen in S.SHORT.items():
+        a = [gen(random.Random(7)) for _ in range(3)]
+        b = [gen(random.Random(7)) for _ in range(3)]
+        assert a == b, kind
+        rng = random.Random(kind)
+        for _ in range(300):
+            s = gen(rng)
+            check_answer(s)
+            # the prompt ends on a token boundary: the model can produce the reference's ids after the prompt's
+            assert enc(tok, s.prompt + s.reference) == enc(tok, s.prompt) + enc(tok, s.reference)
+    digits = {len(S.addition(random.Random(i)).prompt.split()[0]) for i in range(200)}
+    assert digits == {2, 3, 4, 5}
+    assert all(t == 1 for t in map(len, (enc(tok, d) for d in "0123456789")))  # one token per digit
+
+
+def test_long_generators_answers_and_needles():
+    for seed in range(40):
+        r = S.retrieval(random.Random(seed), n_questions=3)
+        assert r == S.retrieval(random.Random(seed), n_questions=3)
+        table = ast.literal_eval(r.pieces[0].split("=", 1)[1])
+        assert len(table) == r.n_entries and 8 <= r.n_entries <= 16
+        for q in r.questions:
+            key = q.text.split('"')[1]
+            assert int(q.reference) == table[key] and q.reference.endswith("\n")
+            (p, a, b), = q.needles
+            assert r.pieces[p][a:b] == f'    "{key}": {table[key]},\n'
+            # distractors: keys of the same letters that differ from the needle in at most two digits
+        keys = list(table)
+        assert len({k[:2] for k in keys}) == 1
+        assert any(sum(x != y for x, y in zip(k, q.text.split('"')[1])) <= 2 for k in keys
+                   if k != q.text.split('"')[1])
+        b = S.binding(random.Random(seed))
+        q, = b.questions
+        scope: dict = {}
+        exec("".join(b.pieces), {}, scope)  # the pieces are real Python: definitions, then aliases in order
+        name = q.text.removeprefix("assert ").removesuffix(" ==")
+        assert scope[name] == int(q.reference)
+        chain_text = "".join(b.pieces[p][x:y] for p, x, y in q.needles)
+        assert name in chain_text and q.reference.strip() in chain_text
+
+
+def test_train_and_eval_items_are_disjoint_by_construction():
+    seen = {"train": set(), "eval": set()}
+    for split in ("train", "eval"):
+        rng = random.Random(split)
+        for gen in S.SHORT.values():
+            for _ in range(400 if split == "train" else 60):
+                s = gen(rng, split)
+                assert S.split_of(s.canonical) == split
+                seen[split].add(s.canonical)
+        for _ in range(60):
+            for q in S.retrieval(rng, split, n_questions=2).questions + S.binding(rng, split).questions:
+                assert S.split_of(q.canonical) == split
+                seen[split].add(q.canonical)
+    assert not seen["train"] & seen["eval"]
+    share = sum(S.split_of(f"add/{a}+{a + 1}") == "eval" for a in range(20000)) / 20000
+    assert 0.04 < share < 0.06  # EVAL_PERMILLE = 50
+    files = S.short_task_file("arithmetic", 10) + S.short_task_file("lists", 9)
+    assert all(S.split_of(t["meta"]["canonical"]) == "eval" for t in files)
+    assert files == S.short_task_file("arithmetic", 10) + S.short_task_file("lists", 9)
+
+
+def test_long_task_prompts_hit_their_token_size(tok, corpus):
+    filler = S.FillerLines([f.text for f in corpus[1]])
+    for kind, context in (("retrieval", 1024), ("binding", 512)):
+        recs = S.long_task_file(kind, 3, context, tok, filler)
+        assert recs == S.long_task_file(kind, 3, context, tok, filler)  # fixed seed
+        for r in recs:
+            m = r["meta"]
+            n = len(enc(tok, r["prompt"]))
+            assert n == m["prompt_tokens"] and context - 128 - 48 <= n <= context - 128, (n, context)
+            for (a, b), (i, j) in zip(m["needle_chars"], m["needle_tokens"]):
+                span = r["prompt"][a:b]
+                assert r["reference"].strip() in span or "=" in span
+                assert span.strip() in tok.decode(enc(tok, r["prompt"])[i:j])
+            assert m["distance_tokens"] >= (400 if context == 1024 else 150)
+            assert S.split_of(m["canonical"]) == "eval" and r["metric"] == "exact"
+
+
+def test_render_ids_roles_and_length(tok, corpus):
+    stream = np.asarray(D.token_stream(D.encode_files(tok, corpus[0][:10])), np.int32)
+    import tiny_mix as M
+
+    w = M.Windows(tok, stream, M.MixConfig(), D.EOS)
+    s = S.retrieval(random.Random(3), n_questions=2)
+    ids, roles = S.render_ids(s, w.encode, w.filler, np.random.default_rng(0), 600, D.EOS)
+    assert 560 <= len(ids) <= 600 and len(ids) == len(roles)
+    answers = ids[roles == S.ROLE_ANSWER].tolist()
+    assert answers == sum((enc(tok, q.reference) for q in s.questions), []) + [D.EOS]
+    assert D.EOS not in ids[:-1].tolist()  # filler's file separators became newlines
+    text = tok.decode(ids[:-1].tolist())
+    assert text.startswith(s.pieces[0]) and s.questions[0].text in text
+
+
+def test_batches_depend_on_seed_and_step_only(tok, corpus):
+    import tiny_mix as M
+
+    stream = np.asarray(D.token_stream(D.encode_files(tok, corpus[0][:20])), np.int32)
+    mix = M.MixConfig(lookup_len=(64, 256), long_len=(128, 512))
+    shapes = M.Shapes(256, 3, 512, 2, long_from=1, long_every=2)
+    bd = M.Objective("bd", noisy_cap=128)
+
+    def batches(obj):
+        return M.Batches(M.Windows(tok, stream, mix, D.EOS), shapes, obj, 5, tok.get_vocab_size(), 3, D.MASK, D.PAD)
+
+    a, b = batches(bd).make(1), batches(bd).make(1)
+    assert a["long"] and all(np.array_equal(a[k], b[k]) for k in a if isinstance(a[k], np.ndarray))
+    assert not np.array_equal(batches(bd).make(2)["tokens"], a["tokens"])
+    # long step: x0 (512) then 128 noisy slots; the answers' blocks are noisy; dummies see only themselves
+    assert a["tokens"].shape == (2, 640) and a["n_clean"] == 512
+    noisy_pos, x0 = a["positions"][:, 512:], a["tokens"][:, :512]
+    real = a["bids"][:, 512:] >= 0
+    assert (np.take_along_axis(x0, noisy_pos, 1)[real] == a["targets"][real]).all()
+    assert (a["weights"][~real] == 0).all() and a["answer"].any()
+    # a prompt token is never masked; masked slots hold MASK
+    assert (a["tokens"][:, 512:][a["masked"]] == D.MASK).all()
+    m = batches(M.Objective("mdm")).make(0)
+    assert m["tokens"].shape == (3, 256) and m["n_clean"] == 0 and "bids" not in m
+    assert (m["tokens"][m["masked"]] == D.MASK).all() and (m["weights"][~m["masked"]] == 0).all()
+
+
+def test_bd_mask_matches_a_literal_rule():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tiny_fast
+
+    n_clean = 6
+    bids = torch.tensor([[0, 0, 1, 1, 2, 2, 1, 1, -1, -2]])  # 6 clean, noisy block 1 (2 tokens), 2 dummies
+    mask = tiny_fast.bd_dense_mask(bids, n_clean)[0, 0]
+    for q in range(10):
+        for k in range(10):
+            qb, kb = bids[0, q].item(), bids[0, k].item()
+            if q < n_clean:
+                want = k < n_clean and kb <= qb
+            else:
+                want = (k < n_clean and kb < qb) or (k >= n_clean and kb == qb)
+            assert mask[q, k].item() == want, (q, k)
+    assert mask[8].tolist() == [False] * 8 + [True, False]  # a dummy sees only itself
+
+
+@pytest.mark.parametrize("name", sorted(SYNTH_FILES))
+def test_shipped_task_files(name, tok):
+    from compiledllm.evaluate import load_tasks
+    from compiledllm.tokenizer import TextTokenizer
+
+    path = TASKS / f"{name}.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert len(recs) == SYNTH_FILES[name] and len({r["prompt"] for r in recs}) == len(recs)
+    for r in recs:
+        assert r["metric"] == "exact" and r["reference"] == f" {r['meta']['answer']}\n"
+        assert S.split_of(r["meta"]["canonical"]) == "eval"
+        if name in ("arithmetic", "lists"):
+            check_answer(S.Sample(r["meta"]["kind"], r["prompt"], r["reference"], r["meta"]["canonical"]))
+        else:
+            m = r["meta"]
+            assert m["prompt_tokens"] <= m["context"] - 128 and m["needle_chars"] and m["needle_tokens"]
+            for a, b in m["needle_chars"]:
+                assert r["prompt"][a:b].endswith("\n")
+    tasks = load_tasks(path, TextTokenizer(tok, {}), limit=2)
+    assert len(tasks) == 2 and tasks[0].reference_ids == enc(tok, recs[0]["reference"])

@@ -1,0 +1,129 @@
+"""Model card (README.md) of the tiny-llada2.1 and tiny-llada checkpoints written by tools/train_kinds.py."""
+from __future__ import annotations
+
+import tiny_data as D
+
+TARGETS = (  # issue 15, target 4: (task file, metric, policy, threshold)
+    ("arithmetic.jsonl", "exact_match", "threshold-0.95", 0.95),
+    ("lists.jsonl", "exact_match", "threshold-0.95", 0.95),
+    ("retrieval_4k.jsonl", "exact_match", "threshold-0.95", 0.9),
+    ("retrieval_8k.jsonl", "exact_match", "threshold-0.95", 0.8),
+    ("lists.jsonl", "tokens_per_forward", "threshold-0.9", 2.5),
+)
+
+
+def _arch(c: dict, kind: str) -> str:
+    if kind == "tiny-llada2.1":
+        return (f"LLaDA2.0/2.1 MoE layout (`LLaDA2MoeModelLM`): {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads of {c['head_dim']} (q/k RMSNorm, partial "
+                f"rotary {c['partial_rotary_factor']}, theta {c['rope_theta']:g}); layer 0 dense MLP ({c['intermediate_size']}), "
+                f"layers 1-{c['num_hidden_layers'] - 1} MoE: {c['num_experts']} experts of width {c['moe_intermediate_size']}, "
+                f"top-{c['num_experts_per_tok']} with group-limited routing ({c['n_group']} groups, keep {c['topk_group']}), "
+                f"1 shared expert, sigmoid router with expert bias, routed scaling {c['routed_scaling_factor']}; untied head; "
+                f"context {c['max_position_embeddings']} tokens.")
+    return (f"LLaDA layout (`LLaDAModelLM`, weights `model.transformer.*`): {c['n_layers']} layers, d_model {c['d_model']}, "
+            f"{c['n_heads']} heads (MHA), SwiGLU MLP {c['mlp_hidden_size']}, full RoPE (theta {c['rope_theta']:g}), fully "
+            f"bidirectional attention, untied head; context {c['max_sequence_length']} tokens.")
+
+
+def _objective(results: dict) -> str:
+    o, sh = results["args"]["objective"], results["training"]["shapes"]
+    if o["kind"] == "bd":
+        return f"""Block diffusion (LLaDA2 / BD3-LM) with LLaDA2.1 token-to-token editing: the clean window x0 and a noisy copy
+x_t are forwarded together under the block-diffusion mask (noisy block i sees noisy block i and clean blocks < i;
+clean block i sees clean blocks <= i), block size per window from {{{', '.join(map(str, o['block_sizes']))}}}
+({o['p_bidir']:.0%} of code windows of short steps as one bidirectional block), masking ratio t ~ U(0, 1) per block;
+{o['p_t2t']:.0%} of windows also get a share r ~ U(0, {o['max_corrupt']}) of their visible trainable tokens replaced by
+random tokens, which the model learns to put right. Loss: cross entropy on the noisy copy, weight 1 on masked and
+replaced tokens, {o['keep_weight']} on the other trainable ones; task prompts, tables and filler are context only.
+
+Length curriculum: steps before {sh['long_from']} are short ({sh['short_batch']} x {sh['short_len']}-token windows,
+every position noisy: {2 * sh['short_len']} tokens a row). From step {sh['long_from']} every {sh['long_every']}nd step is
+long: {sh['long_batch']} x {sh['long_len']}-token windows of retrieval / variable-binding samples of {results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}
+tokens (log-uniform), whose noisy copy holds only the blocks with answers plus random other blocks,
+{o['noisy_cap']} tokens: {sh['long_len'] + o['noisy_cap']} tokens a row instead of {2 * sh['long_len']}, and exactly
+the decode's situation (a long clean prompt, one block being decoded after it). The lookup mechanism is learnt at
+<= 1K tokens of distance first, where it is cheap, then at 0.5-8K. Training attention: {results['training']['attention']}."""
+    return f"""Masked diffusion (LLaDA): each {sh['short_len']}-token window is masked with one ratio t ~ U(0, 1), fully
+bidirectional attention, no block mask (SDPA's flash kernel). Code windows mask any token; task windows mask only
+the references, the EOS after them and the EOS padding (weight {o['pad_weight']}) after that (LLaDA's SFT masking),
+prompts stay visible. Cross entropy on the masked tokens."""
+
+
+def targets_table(results: dict) -> list[str]:
+    tasks = results.get("tasks", {})
+    lines = ["| target (issue 15) | measured | met |", "|---|---:|:---:|"]
+    for f, metric, policy, goal in TARGETS:
+        p = tasks.get(f, {}).get("policies", {}).get(policy)
+        if p is None:
+            continue
+        v = p[metric]
+        lines.append(f"| `{f}` {metric.replace('_', ' ')} at `{policy}` >= {goal} | {v:.3f} | {'yes' if v >= goal else 'no'} |")
+    edits = [r["policies"]["t2t"] for r in tasks.values() if "edit_blocks" in r.get("policies", {}).get("t2t", {})]
+    if edits:  # compiledllm/evaluate.py's edit statistics, summed over the task files
+        blocks, edit_blocks = sum(p["blocks"] for p in edits), sum(p["edit_blocks"] for p in edits)
+        judged, fixes = sum(p["edited_tokens"] for p in edits), sum(p["edit_fixes"] for p in edits)
+        share, fix = edit_blocks / max(blocks, 1), fixes / judged if judged else 0.0
+        lines += [f"| `t2t` edits in >= 5 % of blocks (all task files) | {share:.3f} | {'yes' if share >= 0.05 else 'no'} |",
+                  f"| most `t2t` edits fix an error (fixes / edited tokens) | {fix:.3f} ({judged} judged) | "
+                  f"{'yes' if fix > 0.5 else 'no'} |"]
+    for f, a in results.get("needle_ablation", {}).items():
+        lines.append(f"| `{f}` with the needle hidden falls to chance (one-forward EM) | {a['exact_match_full']:.3f} -> "
+                     f"{a['exact_match_needle_hidden']:.3f} | {'yes' if a['exact_match_needle_hidden'] <= 0.05 else 'no'} |")
+    return lines if len(lines) > 2 else []
+
+
+def model_card(results: dict) -> str:
+    import train_tiny as T
+
+    kind, c, d, t = results["kind"], results["config"], results["data"], results["training"]
+    mix, a = d["mix"], results["args"]
+    calls = t.get("calls", [])
+    call_note = (f" over {len(calls)} device calls (resumed with `--resume`)" if len(calls) > 1 else "")
+    targets = targets_table(results)
+    return f"""# {kind}
+
+A small {'block' if kind == 'tiny-llada2.1' else 'masked'}-diffusion language model trained from scratch by
+`tools/train_tiny.py --kind {kind}` on the Python standard library mixed with generated tasks whose answers are
+exact (arithmetic, list sorting / reversing / copying, key -> value retrieval over long context, variable binding
+in code), so that compiledllm's decoding policies have a checkpoint whose quality can move.
+
+## Architecture
+{_arch(c, kind)} Vocabulary {c['vocab_size']} (byte-level BPE, every digit its own token).
+{results['parameters']:,} parameters, stored in bfloat16 ({results['weights_bytes'] / 1e6:.1f} MB).
+Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|>` ({D.MASK}). The model was never
+chat-tuned.
+
+## Data and split
+`*.py` files under the training interpreter's stdlib (Python {d['python']}, `{d['root']}`): {d['files']} files, split by
+sha1(relative path) (held out: {d['held_files']} files, never trained on; training: {d['train_files']} files,
+{d['train_tokens']:,} tokens). The tokenizer was trained on the training files only. Mixed with `tools/synth_tasks.py`'s
+generators in windows (`tools/tiny_mix.py`): short steps draw each window as code ({mix['shares'][0]:.0%}),
+packed short tasks ({mix['shares'][1]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['short_kinds'])}) or packed
+lookup samples of {mix['lookup_len'][0]}-{mix['lookup_len'][1]} tokens ({mix['shares'][2]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['lookup_kinds'])});
+a task ends with its reference (" answer\\n") and EOS. Lookup filler is training-file code. Generated items whose
+canonical key hashes into the evaluation share ({d['eval_permille'] / 10:g} %) are never trained on, and the task
+files take theirs only from it (and their filler from held-out files), so training and evaluation are disjoint by
+construction.
+
+## Objective
+{_objective(results)}
+
+## Training
+AdamW (betas 0.9/0.95, weight decay {a['weight_decay']}), peak lr {a['lr']}, {a['warmup']}-step warm-up, linear decay
+to {a['min_lr_frac']}x over the last {a['decay_frac']:.0%} of the planned steps; bf16 autocast on CUDA; expert-bias
+balancing {a['bias_rate']} per step; seed {results['args']['seed']}. {t['steps']} steps (stopped by {t['stopped_by']}),
+{t['tokens_seen']:,} window tokens seen ({t['tokens_forwarded']:,} forwarded with the clean copies), {t['wall_s']:.0f} s of
+training on {results['device_name']}{call_note} (whole run {results['run_wall_s']:.0f} s including tokenizer, tasks and
+evaluation). Final training loss {t['final'].get('loss', float('nan')):.3f}, masked-token loss
+{t['final'].get('masked_loss', float('nan')):.3f}; held-out masked loss {t['final'].get('held_masked_loss', float('nan')):.3f}.
+Loss curve: `loss_curve.png` of the run. Reproduce: `{results['command']}`.
+
+## Held-out metrics
+{T.metrics_tables(results)}
+{('## Targets' + chr(10) + chr(10).join(targets) + chr(10)) if targets else ''}
+## Limitations
+* A {results['parameters'] / 1e6:.0f}M-parameter model trained for minutes: its Python is plausible at best, and it
+  knows the generated task formats only as they were generated (`tools/synth_tasks.py`); other phrasings fail.
+* One-forward needle ablation is a diagnostic of whether the answer comes from the needle, not the engine's decode.
+"""
