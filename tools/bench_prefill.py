@@ -5,8 +5,10 @@ with one block of output (`threshold` tau 1.0, 20 steps, block 32, ignore_eos) a
 (RunStats.prefill_s, synchronised) is read. Variants, in the same process:
 
 * `rows1-1024`: the path before issue 19 (one row at a time, eager 1024-position chunks: prefill_tokens 1024);
-* `eager-C`: batched chunks of C positions per row, up to --tokens per forward, eager;
-* `compiled-C`: the same with the shape-generic compiled layers (`compile: true`), warmed up outside the clock.
+* `eager-C`: batched chunks of C positions per row, up to --tokens per forward (what the engine runs).
+
+(The run of record, docs/results/bench_prefill_h200.json, also has `compiled-2048`: a shape-generic compile of the
+layers for prefill that this tool measured and the engine then dropped: faster at 4K x 8, 3.8x slower at 32K x 8.)
 
 Roofline: FLOPs of the prompt's full blocks (2 x active parameters per token, plus attention: 4 x heads x
 head_dim x layers per visible (query, key) pair, block-causal) / the bf16 matmul rate measured in this run.
@@ -46,8 +48,8 @@ def prefill_flops(cfg, prompt: int, batch: int) -> float:
     return batch * (2 * active_params(cfg) * n + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs)
 
 
-def run_variant(model, prompts, chunk: int, tokens: int, compile: bool) -> dict:
-    cfg = EngineConfig(POLICY, max_new_tokens=BLOCK, batch_size=len(prompts), compile=compile, ignore_eos=True,
+def run_variant(model, prompts, chunk: int, tokens: int) -> dict:
+    cfg = EngineConfig(POLICY, max_new_tokens=BLOCK, batch_size=len(prompts), ignore_eos=True,
                        prefill_chunk=chunk, prefill_tokens=tokens, buckets=(len(prompts),))  # one decode graph
     eng = Engine(model, cfg)
     torch.cuda.reset_peak_memory_stats()
@@ -63,11 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", default="llada2.0-mini:4000x1,4000x8,16000x8,32000x8,32000x32;sdar-8b:4000x8,16000x8")
     ap.add_argument("--chunks", default="1024,2048,4096", help="chunk sizes of the batched eager variants")
-    ap.add_argument("--compiled-chunk", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per prefill forward (batched variants)")
-    ap.add_argument("--variants", default="rows1-1024,eager,compiled")
-    ap.add_argument("--compiled-at", default="llada2.0-mini:4000x8,32000x8",
-                    help="the points that also run the compiled variant (each engine compiles the decode step too)")
+    ap.add_argument("--variants", default="rows1-1024,eager")
     ap.add_argument("--baseline-max-tokens", type=int, default=300_000,
                     help="skip the one-row baseline above this many prompt tokens (it is the slow one)")
     ap.add_argument("--out", default="docs/results/bench_prefill.json")
@@ -76,15 +75,13 @@ def main() -> None:
     rate = ceil["bf16_flops_per_s"]
     print(f"ceilings: HBM {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {rate / 1e12:.0f} TFLOP/s", flush=True)
     records = []
-    compiled_at = {(m, p) for item in args.compiled_at.split(";") if item for m, ps in [item.split(":")]
-                   for p in ps.split(",")}
     for item in args.plan.split(";"):
         preset, points = item.split(":")
         model = build_random(preset, device="cuda", dtype=torch.bfloat16)
         vocab = model.config.vocab_size
         warm = torch.randint(3, vocab - 3, (2, 4096), generator=torch.Generator().manual_seed(0)).tolist()
         for chunk, tokens in ((1024, 1024), *((int(c), args.tokens) for c in args.chunks.split(","))):  # kernels' first-call JIT
-            run_variant(model, warm, chunk, tokens, False)
+            run_variant(model, warm, chunk, tokens)
         for point in points.split(","):
             prompt, batch = map(int, point.split("x"))
             g = torch.Generator().manual_seed(prompt + batch)
@@ -96,14 +93,12 @@ def main() -> None:
             for v in args.variants.split(","):
                 if v == "rows1-1024":
                     if batch * prompt <= args.baseline_max_tokens:
-                        names.append((v, 1024, 1024, False))
+                        names.append((v, 1024, 1024))
                 elif v == "eager":
-                    names += [(f"eager-{c}", int(c), args.tokens, False) for c in args.chunks.split(",")]
-                elif v == "compiled" and (preset, point) in compiled_at:
-                    names.append((f"compiled-{args.compiled_chunk}", args.compiled_chunk, args.tokens, True))
-            for name, chunk, tokens, comp in names:
+                    names += [(f"eager-{c}", int(c), args.tokens) for c in args.chunks.split(",")]
+            for name, chunk, tokens in names:
                 try:
-                    r = run_variant(model, prompts, chunk, tokens, comp)
+                    r = run_variant(model, prompts, chunk, tokens)
                     r["tokens_per_s"] = r["prefill_tokens"] / r["prefill_s"]
                     r["of_roofline"] = rec["roofline_s"] / r["prefill_s"]
                 except torch.OutOfMemoryError as e:

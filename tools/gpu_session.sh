@@ -6,7 +6,8 @@
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
-# sampling (tools/bench_sampling.py), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
+# sampling (tools/bench_sampling.py), prefill / moeprefill / attnbase (issue 19's prefill, MoE-at-prefill and
+# attention-baseline benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -79,6 +80,22 @@ if has versus; then  # this tree against an earlier commit's tree in .base/ (git
         --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -4)
     done
   done
+fi
+if has prefill; then  # issue 19: prefill through the engine (batched chunks) vs the one-row path
+  timeout ${PREFILL_TIMEOUT:-300} python3 tools/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
+    2>&1 | grep -v -i warn | tee "$OUT/bench_prefill.log" | tail -12
+fi
+if has moeprefill; then  # issue 19: routed experts at prefill sizes against the dense GEMM rate, tile sweep
+  timeout ${MOEP_TIMEOUT:-200} python3 tools/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
+    --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
+fi
+if has attnbase; then  # issue 19: the CuPy / Triton kernels against static Flex (and FlashInfer where carried in .fi/)
+  if [ -f .fi/fi_site.tar.xz ]; then
+    tar -xJf .fi/fi_site.tar.xz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+  fi
+  timeout ${ATTNB_TIMEOUT:-300} python3 tools/bench_attention.py --heads ${ATTNB_HEADS:-16/4,32/8} --batches 8,32 \
+    --prefixes 4096,32768 --qlens 32 --flashinfer-backends ${ATTNB_FI:-fa2} --budget-s ${ATTNB_BUDGET:-240} \
+    --out "$OUT/bench_attention_baselines_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_attention_baselines.log" | tail -30
 fi
 if has compiled; then
   timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \

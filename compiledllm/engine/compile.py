@@ -35,9 +35,3 @@ def compiled_regions(model, buckets: int, phases: int) -> Regions:
                    for layer in model.layers)
     return Regions(layers, torch.compile(finish_phase, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS))
 
-
-def prefill_regions(model) -> tuple:
-    """The decoder layers compiled for prefill chunks: shape-generic (dynamic), since chunks come in several
-    (rows, positions) shapes, so a few compiles serve them all."""
-    make_room(2 * len({type(layer.mlp) for layer in model.layers}))
-    return tuple(torch.compile(layer, fullgraph=True, dynamic=True, options=INDUCTOR_OPTIONS) for layer in model.layers)

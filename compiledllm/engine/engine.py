@@ -8,7 +8,6 @@ invariance, for a given KV capacity).
 from __future__ import annotations
 
 import numbers
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -151,13 +150,9 @@ class Engine:
             buckets = [*buckets, slots]
         eos = -1 if self.config.ignore_eos else self.model.eos_token_id
         stepper = Stepper(self.model, self.policy, st, kv, buckets, self.compile, self.cuda_graphs, eos_id=eos)
-        prefiller = None if kv is None else Prefiller(
-            self.model, self.block, self.config.prefill_chunk, self.config.prefill_tokens,
-            self.static.buckets if self.static else None, stepper.prefill_layers)
-        t = time.perf_counter()
-        if prefiller is not None and stepper.prefill_layers is not None:
-            prefiller.warm_up(st, kv)
-        self.startup_s = stepper.startup_s + time.perf_counter() - t
+        prefiller = None if kv is None else Prefiller(self.model, self.block, self.config.prefill_chunk,
+                                                      self.config.prefill_tokens, self.static.buckets if self.static else None)
+        self.startup_s = stepper.startup_s
         run = Scheduler(self, st, kv, stepper, prefiller, prompts, arrivals, on_result)
         results = run.loop()
         self.stats = run.stats()

@@ -5,8 +5,9 @@ positions against the row's cached prefix, block-causal inside. Rows prefilling 
 of [rows, C] tokens when their slots are contiguous (the KV rows of a forward are one view): each row at its own
 position, and a row whose prefill ends inside the chunk pads it. Padding starts on a block boundary after the row's
 real tokens, so no real query sees it, and it is never written (kv_write -1). Shapes come from small fixed sets
-(rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block), so a
-compiled prefill has few variants.
+(rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block). Prefill
+runs eagerly: at thousands of tokens per forward the matmuls dominate, and a shape-generic compile of the layers
+measured slower at 32K prompts (recompiles; docs/results.md "Prefill").
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from compiledllm.kv.cache import KVCache
 from compiledllm.policies.plan import Forward
 
 MIN_CHUNK = 128  # smallest chunk bucket (or one block, if larger): shorter tails pad up to it
-COMPILED_FROM = 1024  # tokens from which a forward runs the compiled layers (below, compiling costs more than it saves)
 
 
 @dataclass
@@ -69,23 +69,16 @@ def _cut(run: list[int], sizes: list[int]) -> list[tuple[int, int]]:
 
 class Prefiller:
     """Runs prefill chunk forwards. `max_tokens` bounds one forward's tokens (rows x C): the longest a prefill
-    forward can stall rows that are decoding. `layers`: compiled forms of the decoder layers (None: eager)."""
+    forward can stall rows that are decoding."""
 
-    def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
-                 layers=None):
-        self.model, self.block, self.layers = model, block, layers
+    def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None):
+        self.model, self.block = model, block
         self.chunks = chunk_buckets(chunk, block)
         most = max(1, max_tokens // self.chunks[-1])
         self.row_sizes = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most) or [1]
 
     def pieces(self, slots: Sequence[int]) -> list[tuple[int, int]]:
         return split_rows(slots, self.row_sizes)
-
-    def warm_up(self, st: SlotState, kv: KVCache) -> None:
-        """Compile the prefill layers before the clock starts: forwards that write nothing (every row's end is 0)."""
-        slots = st.seq.shape[0]
-        for rows in sorted({1, min(2, slots)}):
-            self._forward(st, kv, 0, rows, [0] * rows, [0] * rows, self.chunks[-1])
 
     def run(self, st: SlotState, kv: KVCache, first: int, rows: int, progress: dict[int, Progress]) -> int:
         """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written."""
@@ -112,4 +105,4 @@ class Prefiller:
         spec = AttentionSpec(BlockCausal(self.block), prefix_len=start)
         last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
         fwd = Forward(tokens, pos.clamp(max=cap - 1), spec, kv_write=torch.where(real, pos, -1), logits_at=last)
-        self.model(fwd, kv.rows(first, first + rows), layers=self.layers if rows * C >= COMPILED_FROM else None)
+        self.model(fwd, kv.rows(first, first + rows))

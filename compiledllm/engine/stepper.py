@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from compiledllm.attention.spec import Kernels
-from compiledllm.engine.compile import INDUCTOR_OPTIONS, compiled_regions, make_room, prefill_regions
+from compiledllm.engine.compile import INDUCTOR_OPTIONS, compiled_regions, make_room
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import run_phase
 from compiledllm.kv.cache import KVCache
@@ -43,9 +43,6 @@ class Stepper:
             fn = functools.partial(run_phase, regions=compiled_regions(model, len(self.buckets), phases))
         else:
             fn = run_phase
-        # prefill chunks come in several shapes: one shape-generic compile of the layers, not one per shape; on
-        # the CPU that compile costs minutes and saves little, so prefill runs eagerly there
-        self.prefill_layers = prefill_regions(model) if compile and model.device.type == "cuda" else None
         fn = functools.partial(fn, eos_id=model.eos_token_id if eos_id is None else eos_id)
         self.fn = fn if kernels is None else functools.partial(fn, kernels=kernels)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}

@@ -127,9 +127,9 @@ def test_sampling_inside_captured_steps_equals_eager(tmp_path, compile):
 
 
 def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):
-    """Long prompts on CUDA: the shape-generic compiled prefill (chunks of 512, 4 rows per forward) == eager
-    prefill, and requests arriving while others decode (prefill interleaved with captured steps) get the tokens
-    they get alone."""
+    """Long prompts on CUDA (chunks of 512, 4 rows per forward): a compiled, captured engine == eager, and
+    requests arriving while others decode (prefill interleaved with captured steps) get the tokens they get
+    alone."""
     from compiledllm.engine import EngineConfig
 
     ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
