@@ -21,7 +21,7 @@ class EngineConfig:
     compile: bool = False
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
-    prefill_chunk: int = 2048           # prompt positions per row in one prefill forward
+    prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
 
