@@ -13,7 +13,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 # A shipped built-in is a checkpoint directory inside the package (see its README.md model card).
 BUILTINS = {
     "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train_tiny.py
-    "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0},
+    "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0, "routing": "random"},  # its weights as ever
 }
 
 
@@ -22,8 +22,13 @@ def is_builtin(name) -> bool:
 
 
 @torch.no_grad()
-def init_random(model, seed: int, std: float = 0.02, embed_std: float = 1.0) -> None:
-    """Deterministic normal init on the model's device (norm weights 1, router bias 0)."""
+def init_random(model, seed: int, std: float = 0.02, embed_std: float = 1.0, routing: str = "random") -> None:
+    """Deterministic normal init on the model's device (norm weights 1, router bias 0). routing "balanced": then
+    set attention and router so that MoE routing spreads like a trained load-balanced router's (models/routing.py);
+    "random": the plain init (a random router touches few experts per block of MASK tokens)."""
+    from compiledllm.models import routing as routing_init
+
+    routing_init.check_routing(routing)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -31,6 +36,8 @@ def init_random(model, seed: int, std: float = 0.02, embed_std: float = 1.0) -> 
         else:
             scale = embed_std if name.startswith(("embed", "lm_head")) else std
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * scale)
+    if routing == "balanced":
+        routing_init.balance(model)
 
 
 def load(name: str, device="cpu", dtype=torch.float32, mask_token_id=None, eos_token_id=None):
@@ -45,4 +52,4 @@ def load(name: str, device="cpu", dtype=torch.float32, mask_token_id=None, eos_t
         return load_model(str(spec["path"]), device=device, dtype=dtype, mask_token_id=mask_token_id,
                           eos_token_id=eos_token_id)
     return build_random(spec["preset"], device=device, dtype=dtype, seed=spec["seed"], mask_token_id=mask_token_id,
-                        eos_token_id=eos_token_id)
+                        eos_token_id=eos_token_id, routing=spec["routing"])

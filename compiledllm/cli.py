@@ -388,5 +388,121 @@ def recipe_show(
                      f"working directory\n{dump_recipe(data)}")
 
 
+BENCH_LEGEND = """\
+prefill, decode  prompt tokens/s of prefill; generated tokens/s of decode steps
+output           generated tokens/s of the whole run (start-up excluded)
+1st blk          arrival -> a request's first finished block, median (s)
+p50 p90 p99      arrival -> finish of a request (s)
+GiB              peak GPU memory (torch.cuda.max_memory_allocated; - on the CPU)
+start            compile / CUDA-graph capture before the run (s): in no rate
+MoE exp          distinct routed experts per MoE layer (mean) in a decode
+                 forward of the batch's blocks (out of each layer's experts)"""
+
+
+def _tps(x: float | None) -> str:
+    """A rate in 3 significant digits (at most 5 characters: 0.123, 12.3k, 1.2M)."""
+    if x is None:
+        return "-"
+    return next(t + u for u, d in (("", 1), ("k", 1e3), ("M", 1e6), ("G", 1e9)) if "e" not in (t := f"{x / d:.3g}"))
+
+
+def _secs(x: float) -> str:
+    """Seconds in at most 5 characters."""
+    return "0" if x < 5e-4 else f"{x:.0f}" if x >= 100 else f"{x:.3g}" if x >= 1 else f"{x:.3f}"
+
+
+def bench_table(report: dict) -> Table:
+    """One row per point, in 80 columns: numbers right-aligned, one space apart."""
+    table = compact_table(f"{report['model']} · {report['policy_name']} · {report['device']} · "
+                          f"rate {report['settings']['rate']}")
+    table.padding = (0, 0)
+    for col in ("prompt", "out", "batch", "prefill\ntok/s", "decode\ntok/s", "output\ntok/s", "1st\nblk", "p50",
+                "p90", "p99", "GiB", "start", "MoE\nexp"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in report["points"]:
+        if "error" in r:
+            continue
+        experts, mem = r.get("touched_experts"), r["peak_memory_bytes"]
+        table.add_row(str(r["prompt_len"]), str(r["output_len"]), str(r["batch"]), _tps(r["prefill_tokens_per_s"]),
+                      _tps(r["decode_tokens_per_s"]), _tps(r["output_tokens_per_s"]), _secs(r["first_block_p50_s"]),
+                      _secs(r["latency_p50_s"]), _secs(r["latency_p90_s"]), _secs(r["latency_p99_s"]),
+                      "-" if mem is None else f"{mem / 2**30:.3g}", _secs(r["startup_s"]),
+                      "-" if not experts else f"{sum(experts) / len(experts):.0f}")
+    return table
+
+
+@app.command()
+def bench(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file (model, policy, batch_size, compile, cuda_graphs, ...; "
+                                  "its prompts and output are not used)."),
+    prompt_len: Optional[str] = typer.Option(None, "--prompt-len", metavar="N,N", help="Prompt lengths in tokens: "
+                                             "seeded random ids that avoid special tokens (default 512)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", metavar="FILE", help="JSONL prompts instead (one "
+                                           "{text | ids | messages} a line), cycled to --requests."),
+    output_len: Optional[str] = typer.Option(None, "--output-len", metavar="N,N", help="Output lengths in tokens; "
+                                             "every request makes exactly this many (default: the recipe's "
+                                             "generation.max_new_tokens)."),
+    batch: Optional[str] = typer.Option(None, "--batch", metavar="N,max", help="Batch sizes; max: the largest that "
+                                        "runs, probed by running it (default: the recipe's batch_size)."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per point (default: the "
+                                           "point's batch)."),
+    rate: str = typer.Option("inf", "--rate", help="Requests arriving per second, Poisson (seeded); inf: all at "
+                             "once."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts and the arrival times."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="JSON", help="Report: settings, device, torch "
+                                       "version and every point."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Output tokens/s and p50 latency "
+                                        "against batch size, one line per prompt length."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+) -> None:
+    """Measure RECIPE end to end as served: throughput and latency per (prompt length, output length, batch).
+
+    A legend below the table explains the columns.
+    """
+    from compiledllm.bench import BenchSettings, parse_list, parse_rate, run_bench, write_plot
+    from compiledllm.outputs import check_output, write_atomic
+
+    try:
+        if prompts is not None and prompt_len is not None:
+            raise UserError("--prompts and --prompt-len: give one of them")
+        if prompts is not None and not prompts.is_file():
+            raise UserError(f"--prompts: {prompts} is not a file")
+        settings = BenchSettings(
+            prompt_lens=parse_list(prompt_len or "512", "--prompt-len"), prompts_file=prompts,
+            output_lens=parse_list(output_len, "--output-len") if output_len else None,
+            batches=parse_list(batch, "--batch", allow_max=True) if batch else None, requests=requests,
+            rate=parse_rate(rate), seed=seed)
+        inputs = [recipe, *([prompts] if prompts else [])]
+        for path, what in ((out, "--out"), (plot, "--plot")):
+            if path is not None:
+                check_output(path, inputs, what)
+        with progress(TextColumn("[bold]bench[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn()) as bar:
+            task = bar.add_task("loading the model", total=None)
+
+            def point_done(report: dict) -> None:
+                bar.advance(task)
+                if out is not None:  # after every point: a run cut short keeps what it measured
+                    write_atomic(out, json.dumps(report, indent=2) + "\n", "--out")
+
+            report = run_bench(recipe, with_flags(set_, threads=threads), settings,
+                               on_start=lambda n: bar.update(task, total=n),
+                               on_progress=lambda s: bar.update(task, description=s), on_point=point_done)
+        if plot is not None:
+            write_plot(report, plot)
+    except UserError as e:
+        fail(str(e))
+    console.print(bench_table(report))
+    for r in report["points"]:
+        if "error" in r:
+            console.print(f"prompt {r['prompt_len']} · out {r['output_len']} · batch {r['batch_asked']}: "
+                          f"{r['error']}", highlight=False, soft_wrap=True)
+    console.print(Text(BENCH_LEGEND, style="dim"))
+    for path, what in ((out, "report"), (plot, "chart")):
+        if path is not None:
+            console.print(f"{what}: {path}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     app()

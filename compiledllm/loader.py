@@ -298,11 +298,17 @@ def resolve_special_ids(config: ModelConfig, tokenizer: TextTokenizer | None, ma
 
 
 def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: int = 0,
-                 mask_token_id: int | None = None, eos_token_id: int | None = None) -> BlockDiffusionLM:
+                 mask_token_id: int | None = None, eos_token_id: int | None = None,
+                 routing: str = "balanced") -> BlockDiffusionLM:
     """A model with deterministic random weights, built directly on `device`, from a preset name
-    (models/presets.py) or an inline config.json mapping: real-size shapes for benchmarks without checkpoints."""
+    (models/presets.py) or an inline config.json mapping: real-size shapes for benchmarks without checkpoints.
+    routing: "balanced" (MoE routing spread like a trained load-balanced router's, models/routing.py) or "random"
+    (the plain normal init, whose router touches few experts per block)."""
     from compiledllm.builtin import init_random
     from compiledllm.models.presets import PRESETS
+    from compiledllm.models.routing import check_routing
+
+    check_routing(routing)  # before the model is built
 
     device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(config, str):
@@ -315,7 +321,7 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
         raise UserError(f"model.config: expected a preset name or a config.json mapping, got {show(config)}")
     config = resolve_special_ids(parse_model_config(config, source), None, mask_token_id, eos_token_id, source)
     model = materialize(config, device, dtype)
-    init_random(model, seed)
+    init_random(model, seed, routing=routing)
     return model
 
 

@@ -114,12 +114,20 @@ class ModelSpec(_Strict):
     config: str | dict[str, Any] | None = None  # init: random -> a preset name or an inline config.json mapping
     architecture: str | None = None     # optional check of the config's architecture (init: random)
     seed: int = 0
+    routing: Literal["balanced", "random"] | None = None  # init: random (default balanced): models/routing.py
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Annotated[str, AfterValidator(_device)] = "cpu"  # cpu, cuda or cuda:N
     mask_token_id: int | None = Field(default=None, ge=0)
     eos_token_id: int | None = Field(default=None, ge=0)
     trust_exported: bool = False   # load an exported engine (model.path: an export folder): that runs its native code
     allow_nonfinite: bool = False  # NaN / inf weights load with a warning instead of being refused
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_routing(cls, data):
+        if isinstance(data, dict) and data.get("init") == "random" and data.get("routing") is None:
+            return {**data, "routing": "balanced"}  # written out, so the resolved recipe shows it
+        return data
 
     @model_validator(mode="after")
     def _source(self):
@@ -131,6 +139,8 @@ class ModelSpec(_Strict):
             raise ValueError("path/revision are for init: checkpoint; init: random builds the model from config")
         if self.init == "checkpoint" and (self.config is not None or self.architecture is not None):
             raise ValueError("config/architecture are for init: random; a checkpoint brings its own config.json")
+        if self.init == "checkpoint" and self.routing is not None:
+            raise ValueError("routing is for init: random; a checkpoint brings its own router")
         return self
 
     @property
@@ -145,7 +155,7 @@ class GenerationSpec(_Strict):
 
 
 class PrefillSpec(_Strict):
-    chunk: int = Field(default=2048, ge=1)    # prompt positions per row in one prefill forward
+    chunk: int = Field(default=4096, ge=1)    # prompt positions per row in one prefill forward
     tokens: int = Field(default=16384, ge=1)  # tokens in one prefill forward: the longest stall of decoding rows
 
 

@@ -38,7 +38,7 @@ class Summary:
 def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
     if m.init == "random":
         model = build_random(m.config, device=m.device, dtype=m.dtype, seed=m.seed, mask_token_id=m.mask_token_id,
-                             eos_token_id=m.eos_token_id)
+                             eos_token_id=m.eos_token_id, routing=m.routing)
         if m.architecture is not None and m.architecture != model.config.architecture:
             raise UserError(f"model.architecture: {m.architecture!r} but the config describes "
                             f"{model.config.architecture!r}")

@@ -7,7 +7,9 @@ step (forward of every row's block against its cached prefix + acceptance) is ti
 replayed CUDA graph (optionally compiled + captured) with CUDA events as the mean over a block's 20 steps
 (the head computes only the still-masked rows, so a block's steps differ), and compared with the roofline
 step time from ceilings measured in the same run: max(bytes / HBM bandwidth, FLOPs / bf16 matmul rate)
-over weights read, KV read and the head.
+over weights read, KV read and the head. The models route like a load-balanced trained router (balanced
+routing, models/routing.py; --routing random: the plain init of the figures before it), and each point reports
+the distinct experts every MoE layer touched over the timed block (`touched_experts`, the roofline's expert reads).
 
     python tools/bench_decode.py --out docs/results/bench_decode_h200.json
 """
@@ -33,6 +35,7 @@ from compiledllm.kv.cache import KVCache
 from compiledllm.loader import build_random
 from compiledllm.models.head import head_logits
 from compiledllm.models.layers import MoE
+from compiledllm.models.routing import ROUTINGS, count_touched, moe_layers
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 BLOCK, STEPS = 32, 20
@@ -120,29 +123,14 @@ def max_batch(model, context: int) -> int:
     return max(1, int(0.80 * free // per_row))
 
 
-def moe_layers(model) -> list:
-    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-
-
 def touched_experts(model, policy, st, kv) -> list[float]:
     """The distinct routed experts each MoE layer's routing chose, as the mean over one block's STEPS + 1 decode
     steps run eagerly on the point's state (the routing of the steps being timed: a block's MASK share falls from
     1 to 0 over them). Before this, the tool counted one forward of the point's first block after it was decoded."""
-    found: list[list[int]] = []
-
-    def count(moe, args, out):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        found[-1].append(int(torch.unique(moe.route(x)[0]).numel()))
-
-    hooks = [m.register_forward_hook(count) for m in moe_layers(model)]
-    try:
+    with count_touched(model) as found:
         for _ in range(STEPS + 1):
-            found.append([])
             run_step(model, policy, st, kv)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [sum(col) / len(col) for col in zip(*found)]
+    return found.mean_per_layer()
 
 
 def step_split(model, policy, st, kv) -> dict:
@@ -269,15 +257,17 @@ def write_json(path: str, ceil: dict, modes: list[str], records: list[dict]) -> 
 
 def print_table(records: list[dict]) -> None:
     print(f"\n{'model':14} {'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'comp ms':>8} {'roof ms':>8} "
-          f"{'vs roof':>7} {'tok/s':>9}")
+          f"{'vs roof':>7} {'tok/s':>9} {'experts/layer':>13}")
     for r in records:
         if "error" in r:
             print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4}  {r['error'][:60]}")
             continue
         e, g = r.get("eager_ms", float("nan")), r.get("graphs_ms", float("nan"))
         c = r.get("compiled+graphs_ms", float("nan"))
+        t = r.get("touched_experts")  # per MoE layer: mean (min-max)
+        experts = f"{sum(t) / len(t):.0f} ({min(t):.0f}-{max(t):.0f})" if t else "-"
         print(f"{r['model']:14} {r['context']:>6} {r['batch']:>4} {e:9.2f} {g:9.2f} {e / g:5.2f} {c:8.2f} "
-              f"{r['roofline_ms']:8.2f} {r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f}")
+              f"{r['roofline_ms']:8.2f} {r['roofline_ratio']:7.2f} {r['tokens_per_s']:9.0f} {experts:>13}")
     for r in records:
         if "split" in r:
             pieces = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["split"].items())
@@ -323,6 +313,9 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="only merge the --resume JSONs into --out (no GPU work)")
     ap.add_argument("--shard", default="0/1", help="I/N: measure every N-th pending point from the I-th (one "
                                                    "process per GPU; merge the shards' JSONs with --merge)")
+    ap.add_argument("--routing", choices=ROUTINGS, default="balanced",
+                    help="random models' routing (models/routing.py): balanced spreads a block over the experts a "
+                         "trained router would; random is the plain init of earlier figures (few experts per block)")
     ap.add_argument("--attn-tile", choices=list(triton_packed.TRITON_TILES),
                     help="the Triton attention tile for every step (default: the engine's choice)")
     args = ap.parse_args()
@@ -346,7 +339,7 @@ def main() -> None:
     for item in args.plan.split(";"):
         preset, contexts = item.split(":")
         t0 = time.perf_counter()
-        model = build_random(preset, device="cuda", dtype=torch.bfloat16)
+        model = build_random(preset, device="cuda", dtype=torch.bfloat16, routing=args.routing)
         build_s = time.perf_counter() - t0
         policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
         for context in map(int, contexts.split(",")):
@@ -362,7 +355,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 except Exception as e:  # keep the run going; the JSON says what failed
                     rec = {"batch": batch, "context": context, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-                rec |= {"model": preset, "build_s": build_s, "largest_fit": fit, "ceilings": ceil}
+                rec |= {"model": preset, "routing": args.routing, "build_s": build_s, "largest_fit": fit,
+                        "ceilings": ceil}
                 records.append(rec)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                                   if k != "ceilings"}), flush=True)
