@@ -394,7 +394,7 @@ output           generated tokens/s of the whole run (start-up excluded)
 1st blk          arrival -> a request's first finished block, median (s)
 p50 p90 p99      arrival -> finish of a request (s)
 GiB              peak GPU memory (torch.cuda.max_memory_allocated; - on the CPU)
-start            compile / CUDA-graph capture before the run (s): in no rate
+start            compile / CUDA-graph capture before the run (s): in no other column
 MoE exp          distinct routed experts per MoE layer (mean) in a decode
                  forward of the batch's blocks (out of each layer's experts)"""
 
