@@ -57,7 +57,7 @@ class RequestOutput:
     token_ids: list[int]         # the generated ids, up to and including the first EOS
     finish_reason: Literal["eos", "length"]
     steps: int                   # forwards made for this request (prefill not counted)
-    latency_s: float             # admission to finish
+    latency_s: float             # arrival (the run's start) to finish, its queueing and prefill included
     policy_stats: dict = field(default_factory=dict)  # the policy's own statistics (Policy.report)
 
 
