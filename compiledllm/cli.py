@@ -146,6 +146,10 @@ def run(
         alerts.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False,
                      soft_wrap=True)
         raise typer.Exit(130)
+    from compiledllm.parallel import main_rank
+
+    if not main_rank():  # the other ranks of a split model decoded the same tokens: rank 0 reports them
+        return
     if out is None:
         for r in results:
             sys.stdout.write(json.dumps(result_record(r)) + "\n")

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
 from compiledllm.builtin import BUILTINS
 from compiledllm.errors import UserError
@@ -159,6 +160,22 @@ class PrefillSpec(_Strict):
     tokens: int = Field(default=16384, ge=1)  # tokens in one prefill forward: the longest stall of decoding rows
 
 
+class ParallelSpec(_Strict):
+    """Ranks one model is split over (compiledllm/parallel/): attention heads and dense MLPs over `tensor`, routed
+    experts over `expert`; the run needs tensor x expert processes (torchrun)."""
+
+    tensor: int = Field(default=1, ge=1)
+    expert: int = Field(default=1, ge=1)
+    data: int = Field(default=1, ge=1)
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError("data-parallel engine replicas are not built yet (use 1)")
+        return value
+
+
 class PromptSpec(_Strict):
     text: Annotated[str, Field(min_length=1), BeforeValidator(_encodable)] | None = None
     ids: list[TokenId] | None = Field(default=None, min_length=1)
@@ -177,6 +194,7 @@ class Recipe(_Strict):
     policy: dict[str, Any] = Field(default_factory=lambda: {"name": "threshold"})
     generation: GenerationSpec = GenerationSpec()
     prefill: PrefillSpec = PrefillSpec()
+    parallel: ParallelSpec = ParallelSpec()
     prompts: list[PromptSpec] = Field(default_factory=list)
     prompts_file: str | None = Field(default=None, min_length=1)
     batch_size: int = Field(default=8, ge=1)

@@ -13,6 +13,7 @@ from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.outputs import ResultSink, check_output
+from compiledllm.parallel import init_mesh, main_rank, shard_model
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
 from compiledllm.threads import set_threads
@@ -95,8 +96,11 @@ def prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine, 
     KV capacity) before any decoding; the run's CPU threads set first."""
     specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     set_threads(recipe.threads)
+    mesh = init_mesh(recipe.parallel.tensor, recipe.parallel.expert)  # one process unless parallel asks for more
     t0 = time.perf_counter()
     model = load_from_spec(recipe.model)
+    if mesh.world > 1:
+        model = shard_model(model, mesh)
     load_s = time.perf_counter() - t0
     prompts = encode_prompts(model, specs)
     engine = Engine.from_recipe(model, recipe)
@@ -114,6 +118,8 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     if output is not None:
         check_output(output, [*inputs, *run_inputs(recipe)])
     model, prompts, engine, load_s = prepare(recipe)
+    if not main_rank():
+        output = None  # every rank decodes the same tokens (parallel/); rank 0 writes them
     if on_start is not None:
         on_start(len(prompts))
     sink = ResultSink(output) if output is not None else None

@@ -50,6 +50,8 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """Fused QKV projection, optional per-head q/k RMSNorm before RoPE, GQA, output projection."""
 
+    parallel = None  # a tensor-parallel rank's heads: compiledllm.parallel.Shard, whose all-reduce sums o's partials
+
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.index = index  # the layer's index: an AttentionSpec may ask some layers only for statistics
@@ -70,11 +72,14 @@ class Attention(nn.Module):
         with phase("attention"):
             out = attend(q, k, v.contiguous(), fwd, kv_layer, self.index)
         with phase("projections"):
-            return self.o(out.reshape(B, L, self.h * self.hd))
+            out = self.o(out.reshape(B, L, self.h * self.hd))
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate x) * up x) with gate and up fused into one projection."""
+
+    parallel = None  # a tensor-parallel rank's share of the inner dim: its all-reduce sums down's partials
 
     def __init__(self, dim: int, inner: int):
         super().__init__()
@@ -84,11 +89,16 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.inner, dim=-1)
-        return self.down(F.silu(gate) * up)
+        out = self.down(F.silu(gate) * up)
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class MoE(nn.Module):
     """Sigmoid router with expert bias (selection only) and group-limited top-k, routed experts + shared expert."""
+
+    # a rank's experts (compiledllm.parallel.Shard): the router is replicated, so every rank routes every token;
+    # its routed and shared-expert partials are summed by one all-reduce
+    parallel = None
 
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
@@ -132,27 +142,50 @@ class MoE(nn.Module):
         out = self._routed(x, ids, w, backend)
         if self.shared is not None:
             out = out + self.shared(x)
+        if self.parallel is not None:
+            out = self.parallel.all_reduce(out)
         return out.view(shape)
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """The T*k (token, expert) pairs through the experts, each token's k outputs summed: the Triton op (sort,
         expert kernels and sum inside it), or sorted by expert in torch and two grouped GEMMs. Static shapes and
         no host sync, so it compiles and captures."""
+        if self.parallel is not None and self.parallel.experts is not None:
+            return self._routed_here(x, ids, w)
         if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)
                                    and moe_triton.auto_uses_triton(ids.numel(), self.cfg.num_experts)):
             return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float())
         T, k = ids.shape
         E = self.cfg.num_experts
-        flat = ids.flatten()
+        y = self._pairs(x, ids.flatten(), E, k).view(T, k, -1)
+        return (y * w[..., None].to(y.dtype)).sum(1)
+
+    def _pairs(self, x: torch.Tensor, flat: torch.Tensor, bins: int, k: int) -> torch.Tensor:
+        """[T*k, D]: pair p (token p // k) through expert flat[p], in pair order; ids >= the experts held sort
+        last and no GEMM reads them (their rows are unspecified)."""
+        experts = self.w_gate_up.shape[0]
         # a narrow key dtype: the radix sort then makes 2 passes instead of 8
-        order = (flat.to(torch.int16) if E < 2**15 else flat).argsort(stable=True)
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        order = (flat.to(torch.int16) if bins < 2**15 else flat).argsort(stable=True)
+        counts = torch.zeros(bins, dtype=torch.int32, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        offs = counts[:experts].cumsum(0, dtype=torch.int32)
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.w_gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.w_down.transpose(1, 2), offs)
-        y = torch.empty_like(ys).index_copy_(0, order, ys).view(T, k, -1)  # back to (token, rank) order
+        return torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, rank) order
+
+    def _routed_here(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: the pairs whose expert this rank holds; the others give 0 here and are added by the
+        ranks holding them (MoE.forward's all-reduce over replicated routing: an all-gather-style dispatch, every
+        rank reading every token). All-to-all dispatch (each token sent only to its experts' ranks) moves less
+        at large batches; which is faster must be measured on a multi-GPU machine. Torch grouped GEMMs only:
+        the Triton experts take global expert ids."""
+        T, k = ids.shape
+        held = self.parallel.experts
+        local = ids - self.parallel.first_expert
+        mine = (local >= 0) & (local < held)
+        y = self._pairs(x, torch.where(mine, local, held).flatten(), held + 1, k).view(T, k, -1)
+        y = torch.where(mine[..., None], y, 0)  # rows of other ranks' pairs were never computed
         return (y * w[..., None].to(y.dtype)).sum(1)
 
 

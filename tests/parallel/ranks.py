@@ -1,0 +1,56 @@
+"""The worker the parallel tests spawn (one process per rank, gloo on the CPU): for each case it loads the tiny
+checkpoint in full, splits it with compiledllm.parallel and writes what the parent compares against one process:
+the no-cache logits (safetensors), the engine's tokens and the rank-local shapes (JSON)."""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+# case -> (checkpoint folder, tensor, expert)
+CASES = {"sdar_tp2": ("sdar", 2, 1), "llada2_tp2": ("llada2", 2, 1), "llada2_ep2": ("llada2", 1, 2)}
+POLICY = {"name": "threshold", "block_size": 4, "threshold": 0.5}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # one with a full block to prefill, one without
+LOGIT_IDS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+MAX_NEW = 8
+
+
+def engine_tokens(model) -> list[list[int]]:
+    from compiledllm.engine import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(POLICY, max_new_tokens=MAX_NEW, batch_size=2))
+    return [r.output_ids for r in engine.generate(PROMPTS)]
+
+
+def logits(model) -> torch.Tensor:
+    return model.reference_forward(torch.tensor(LOGIT_IDS), block_size=4)
+
+
+def worker(rank: int, port: int, root: str) -> None:
+    from compiledllm.errors import UserError
+    from compiledllm.loader import load_model
+    from compiledllm.models.layers import MoE
+    from compiledllm.parallel import init_mesh, shard_model
+
+    torch.set_num_threads(1)
+    # a bug that makes the ranks diverge leaves one waiting in a collective: fail in a minute, not gloo's 30
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    out: dict = {}
+    for case, (arch, tensor, expert) in CASES.items():
+        model = shard_model(load_model(Path(root) / arch), init_mesh(tensor, expert))
+        save_file({"logits": logits(model).contiguous()}, str(Path(root) / f"{case}.rank{rank}.safetensors"))
+        moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        out[case] = {"tokens": engine_tokens(model), "heads": model.config.num_heads,
+                     "kv_heads": model.config.num_kv_heads, "qkv_rows": model.layers[0].attn.qkv.weight.shape[0],
+                     "experts_held": [m.w_gate_up.shape[0] for m in moe]}
+    try:
+        init_mesh(2, 2)
+    except UserError as e:
+        out["world_error"] = str(e)
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
