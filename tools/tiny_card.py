@@ -35,19 +35,30 @@ clean block i sees clean blocks <= i), block size per window from {{{', '.join(m
 ({o['p_bidir']:.0%} of code windows of short steps as one bidirectional block), masking ratio t ~ U(0, 1) per block;
 {o['p_t2t']:.0%} of windows also get a share r ~ U(0, {o['max_corrupt']}) of their visible trainable tokens replaced by
 random tokens, which the model learns to put right. Loss: cross entropy on the noisy copy, weight 1 on masked and
-replaced tokens, {o['keep_weight']} on the other trainable ones; task prompts, tables and filler are context only.
+replaced tokens, {o['keep_weight']} on the other trainable ones, {o['pad_weight']} on the EOS padding after answers;
+task prompts, tables and filler are context only.
 
 Length curriculum: steps before {sh['long_from']} are short ({sh['short_batch']} x {sh['short_len']}-token windows,
 every position noisy: {2 * sh['short_len']} tokens a row). From step {sh['long_from']} every {sh['long_every']}nd step is
 long: {sh['long_batch']} x {sh['long_len']}-token windows of retrieval / variable-binding samples of {results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}
 tokens (log-uniform), whose noisy copy holds only the blocks with answers plus random other blocks,
-{o['noisy_cap']} tokens: {sh['long_len'] + o['noisy_cap']} tokens a row instead of {2 * sh['long_len']}, and exactly
-the decode's situation (a long clean prompt, one block being decoded after it). The lookup mechanism is learnt at
-<= 1K tokens of distance first, where it is cheap, then at 0.5-8K. Training attention: {results['training']['attention']}."""
+{o['noisy_cap']} tokens (the blocks without an answer weigh {o.get('other_weight', 1.0)}): {sh['long_len'] + o['noisy_cap']} tokens a row
+instead of {2 * sh['long_len']}, and exactly the decode's situation (a long clean prompt, one block being decoded
+after it). The lookup mechanism is learnt at <= 1K tokens of distance first, where it is cheap, then at
+{results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}. Training attention: {results['training']['attention']}."""
     return f"""Masked diffusion (LLaDA): each {sh['short_len']}-token window is masked with one ratio t ~ U(0, 1), fully
 bidirectional attention, no block mask (SDPA's flash kernel). Code windows mask any token; task windows mask only
 the references, the EOS after them and the EOS padding (weight {o['pad_weight']}) after that (LLaDA's SFT masking),
 prompts stay visible. Cross entropy on the masked tokens."""
+
+
+def _curriculum(mix: dict) -> str:
+    if not mix.get("grow_steps"):
+        return ""
+    early = mix.get("early_shares") or mix["shares"]
+    return (f"Curriculum: over the first {mix['grow_steps']} steps the shares move from {early[0]:.0%} / {early[1]:.0%} / "
+            f"{early[2]:.0%} to the above,\nand the longest short-window lookup sample grows from "
+            f"{mix.get('lookup_start') or mix['lookup_len'][1]} to {mix['lookup_len'][1]} tokens.\n")
 
 
 def targets_table(results: dict) -> list[str]:
@@ -71,6 +82,53 @@ def targets_table(results: dict) -> list[str]:
         lines.append(f"| `{f}` with the needle hidden falls to chance (one-forward EM) | {a['exact_match_full']:.3f} -> "
                      f"{a['exact_match_needle_hidden']:.3f} | {'yes' if a['exact_match_needle_hidden'] <= 0.05 else 'no'} |")
     return lines if len(lines) > 2 else []
+
+
+def _cell(r: dict, label: str, key: str, fmt: str = "{:.2f}") -> str:
+    m = r.get("policies", {}).get(label)
+    return "-" if m is None or m.get(key) is None else fmt.format(m[key])
+
+
+def summary_table(results: dict) -> str:
+    """The run in a few lines (rich, plain text): per task file exact match at both thresholds, tokens per forward
+    at 0.9, t2t's exact match, edited-block share and fix share, the needle ablation, and the targets it checks."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    t, tasks = results["training"], results.get("tasks", {})
+    final = t.get("final", {})
+    title = (f"{results['kind']}: {t['steps']} steps, {t['tokens_seen'] / 1e6:.0f}M tokens, {t['wall_s']:.0f} s "
+             f"training on {results['device_name']}; held-out code masked loss {final.get('held_masked_loss', float('nan')):.2f}")
+    tab = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for col in ("task file", "n", "EM .95", "EM .9", "tpf .9", "t2t EM", "t2t edit blk/fix", "needle full>hid",
+                "targets (issue 15)"):
+        tab.add_column(col, justify="left" if col in ("task file", "targets (issue 15)") else "right")
+    goals = {}
+    for f, metric, policy, goal in TARGETS:
+        p = tasks.get(f, {}).get("policies", {}).get(policy)
+        if p is not None:
+            goals.setdefault(f, []).append(f"{'EM' if metric == 'exact_match' else 'tpf'}>={goal} "
+                                           f"{'yes' if p[metric] >= goal else 'no'}")
+    if not tasks:
+        return title + "\n(no task evaluation)\n"
+    for name, r in tasks.items():
+        if "policies" not in r:
+            tab.add_row(name.removesuffix(".jsonl"), "-", *["-"] * 6, r.get("skipped") or "error")
+            continue
+        t2t = r["policies"].get("t2t", {})
+        edits = (f"{t2t['edit_block_share']:.2f}/" + ("-" if t2t.get("edit_fix_share") is None else
+                                                    f"{t2t['edit_fix_share']:.2f}")) if "edit_block_share" in t2t else "-"
+        ab = results.get("needle_ablation", {}).get(name)
+        needle = f"{ab['exact_match_full']:.2f}>{ab['exact_match_needle_hidden']:.2f}" if ab else "-"
+        tab.add_row(name.removesuffix(".jsonl"), str(r["tasks"]), _cell(r, "threshold-0.95", "exact_match"),
+                    _cell(r, "threshold-0.9", "exact_match"), _cell(r, "threshold-0.9", "tokens_per_forward"),
+                    _cell(r, "t2t", "exact_match"), edits, needle, "; ".join(goals.get(name, [])))
+    console = Console(file=io.StringIO(), width=130, record=True, color_system=None)
+    console.print(tab)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
 def model_card(results: dict) -> str:
@@ -101,7 +159,9 @@ sha1(relative path) (held out: {d['held_files']} files, never trained on; traini
 generators in windows (`tools/tiny_mix.py`): short steps draw each window as code ({mix['shares'][0]:.0%}),
 packed short tasks ({mix['shares'][1]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['short_kinds'])}) or packed
 lookup samples of {mix['lookup_len'][0]}-{mix['lookup_len'][1]} tokens ({mix['shares'][2]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['lookup_kinds'])});
-a task ends with its reference (" answer\\n") and EOS. Lookup filler is training-file code. Generated items whose
+a task ends with its reference (" answer\\n"), EOS and {mix['eos_pad'][0]}-{mix['eos_pad'][1]} EOS of padding (so the masks
+left after an answer in a decoded block are learnt as EOS).
+{_curriculum(mix)}Lookup filler is training-file code. Generated items whose
 canonical key hashes into the evaluation share ({d['eval_permille'] / 10:g} %) are never trained on, and the task
 files take theirs only from it (and their filler from held-out files), so training and evaluation are disjoint by
 construction.

@@ -2,12 +2,18 @@
 generated tasks (tools/synth_tasks.py), noised for the kind's objective, as numpy arrays.
 
 A batch is a pure function of (seed, step): a run resumed at step s builds exactly the batches an uninterrupted
-run would have built, with no generator state to save, and the CPU and the GPU see the same data.
+run would have built, with no generator state to save, the CPU and the GPU see the same data, and any number of
+worker processes can build steps side by side (tools/train_kinds.py's loader).
+
+Curriculum (MixConfig.schedule, also a function of the step): over the first grow_steps steps the window shares
+move from early_shares (more short tasks) to shares, and the longest lookup sample of a short window grows from
+lookup_start to lookup_len[1]: arithmetic, lists and lookups at short distance first, then farther.
 
 Window types (one per window; a short step draws each window's type by MixConfig.shares):
   code    L tokens of the training-file stream, every token trained (ROLE_TEXT);
   tasks   short tasks packed back to back: prompt (ROLE_PROMPT: seen clean, no loss), reference + EOS
-          (ROLE_ANSWER), for tiny-llada then EOS padding (ROLE_PAD); whatever is left of the window is code;
+          (ROLE_ANSWER), then EOS padding (ROLE_PAD, loss weight pad_weight), so that the masks a decode leaves
+          after an answer (the rest of its block) are learnt as EOS; whatever is left of the window is code;
   lookup  retrieval / variable-binding samples of `lookup_len` tokens, packed (table, filler and questions are
           ROLE_PROMPT, the references ROLE_ANSWER); the rest code;
   long    (long steps) lookup samples of `long_len` tokens (log-uniform) packed into one long window.
@@ -22,12 +28,11 @@ Objectives:
 """
 from __future__ import annotations
 
+import functools
 import math
-import queue
 import random
-import threading
+import re
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -43,10 +48,23 @@ class MixConfig:
     lookup_kinds: tuple[tuple[str, float], ...] = (("retrieval", 0.6), ("binding", 0.4))
     lookup_len: tuple[int, int] = (128, 1024)   # tokens of a lookup sample in a short window
     long_len: tuple[int, int] = (512, 8192)     # tokens of a lookup sample in a long window (log-uniform)
-    questions: tuple[int, int] = (1, 4)         # questions per retrieval sample
+    questions: tuple[int, int] = (1, 4)         # questions per retrieval sample (at most entries // 2: each
+                                                # needle keeps a look-alike distractor)
+    long_questions: tuple[int, int] | None = None  # the same in long windows (None: questions)
     entries: tuple[int, int] = (8, 16)          # table entries of a retrieval sample
     variables: tuple[int, int] = (4, 8)         # definitions of a binding sample
-    eos_pad: tuple[int, int] = (0, 0)           # EOS padding after each answer (tiny-llada)
+    eos_pad: tuple[int, int] = (0, 0)           # EOS padding after each answer
+    early_shares: tuple[float, float, float] | None = None  # shares at step 0 (None: shares throughout)
+    lookup_start: int = 0                       # longest short-window lookup sample at step 0 (0: lookup_len[1])
+    grow_steps: int = 0                         # steps over which early_shares -> shares, lookup_start -> max
+
+    def schedule(self, step: int) -> tuple[tuple[float, ...], tuple[int, int]]:
+        """(window shares, short-window lookup lengths) at `step`: linear in the step up to grow_steps."""
+        f = 1.0 if self.grow_steps <= 0 else min(1.0, step / self.grow_steps)
+        shares = tuple(a + (b - a) * f for a, b in zip(self.early_shares or self.shares, self.shares))
+        lo, hi = self.lookup_len
+        start = min(hi, max(lo, self.lookup_start or hi))
+        return shares, (lo, int(round(start + (hi - start) * f)))
 
 
 @dataclass(frozen=True)
@@ -58,7 +76,8 @@ class Objective:
     max_corrupt: float = 0.2
     keep_weight: float = 0.1                    # bd: loss weight of visible (uncorrupted) trainable tokens
     noisy_cap: int = 1024                       # bd long steps: noisy tokens per window
-    pad_weight: float = 0.25                    # mdm: loss weight of masked EOS padding
+    pad_weight: float = 0.25                    # loss weight of the EOS padding after answers
+    other_weight: float = 1.0                   # bd long steps: loss weight of the noisy blocks without answers
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,37 @@ class Shapes:
 
     def is_long(self, step: int) -> bool:
         return self.long_len > 0 and step >= self.long_from and (step - self.long_from) % self.long_every == 0
+
+
+class DigitSplitEncoder:
+    """Exact ids of ASCII text for a tokenizer whose pre-tokenizer splits every digit off first (tiny_data's
+    digits=True): no token spans a digit boundary, so a text's ids are its digit-free segments' ids (cached: the
+    generated tasks repeat a few dozen of them) with one digit id per digit between them. Several times faster than
+    the tokenizer on the generated tasks, which are mostly digits. Non-ASCII text goes to the tokenizer."""
+
+    _split = re.compile(r"([0-9])")
+
+    def __init__(self, tokenizer, cache_size: int = 1 << 16):
+        self.tok = tokenizer
+        self.digit = {d: tokenizer.token_to_id(d) for d in "0123456789"}
+        self.segment = functools.lru_cache(maxsize=cache_size)(self._segment)
+
+    def _segment(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def encode(self, text: str) -> list[int]:
+        if not text.isascii():
+            return self.tok.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for i, seg in enumerate(self._split.split(text)):
+            if i % 2:
+                out.append(self.digit[seg])
+            elif seg:
+                out += self.segment(seg)
+        return out
+
+    def exact_on(self, texts: list[str]) -> bool:
+        return all(self.encode(t) == self.tok.encode(t, add_special_tokens=False).ids for t in texts)
 
 
 def _pick(rng: random.Random, weighted: tuple[tuple[str, float], ...]) -> str:
@@ -90,8 +140,14 @@ class Windows:
         has_nl[eos_id] = True
         self.newline = tokenizer.token_to_id("Ċ")
         self.filler = S.FillerIds(stream, has_nl, self.newline, eos_id)
+        fast = DigitSplitEncoder(tokenizer)
+        probe = ["12 + 345 =", " 357\n", "sort: [7, 40, 3] =", 'table["ab0123"] ==', "    \"ab0123\": 45678,\n",
+                 "cfg_abc = 12\n", "x9y", "00"]
+        self.fast = fast if None not in fast.digit.values() and fast.exact_on(probe) else None  # digits not split
 
     def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.fast is not None:
+            return [self.fast.encode(t) for t in texts]
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def code(self, rng: np.random.Generator, L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,29 +168,35 @@ class Windows:
         return ids[:L], roles[:L]
 
     def tasks(self, rng_py: random.Random, rng: np.random.Generator, L: int):
-        parts, n = [], 0
-        while True:
-            samples = [S.SHORT[_pick(rng_py, self.mix.short_kinds)](rng_py, "train") for _ in range(32)]
+        ids: list[int] = []
+        roles: list[int] = []
+        lo, hi = self.mix.eos_pad
+        while True:  # about as many samples as the rest of the window holds (~24 tokens each, with the padding)
+            k = max(4, min(64, (L - len(ids)) // (24 + (lo + hi) // 2)))
+            samples = [S.SHORT[_pick(rng_py, self.mix.short_kinds)](rng_py, "train") for _ in range(k)]
             enc = self.encode([t for s in samples for t in (s.prompt, s.reference)])
-            for p, r in zip(enc[::2], enc[1::2]):
-                pad = self._pad(rng)
-                size = len(p) + len(r) + 1 + len(pad[0])
-                if n + size > L:
-                    return self._fill(parts, rng, L)
-                parts += [(np.asarray(p, np.int32), np.full(len(p), ROLE_PROMPT, np.uint8)),
-                          (np.asarray([*r, self.eos], np.int32), np.full(len(r) + 1, ROLE_ANSWER, np.uint8)), pad]
-                n += size
+            pads = rng.integers(lo, hi + 1, k) if hi > 0 else np.zeros(k, np.int64)
+            for p, r, pad in zip(enc[::2], enc[1::2], pads.tolist()):
+                if len(ids) + len(p) + len(r) + 1 + pad > L:
+                    part = (np.asarray(ids, np.int32), np.asarray(roles, np.uint8))
+                    return self._fill([part], rng, L)
+                ids += p + r + [self.eos] * (1 + pad)
+                roles += [ROLE_PROMPT] * len(p) + [ROLE_ANSWER] * (len(r) + 1) + [ROLE_PAD] * pad
 
     def lookup(self, rng_py: random.Random, rng: np.random.Generator, L: int, lengths: tuple[int, int],
-               log_uniform: bool):
+               log_uniform: bool, questions: tuple[int, int] | None = None):
         parts, n = [], 0
         lo, hi = lengths
+        questions = questions or self.mix.questions
         while L - n >= lo:
             top = min(hi, L - n)
             total = int(math.exp(rng_py.uniform(math.log(lo), math.log(top)))) if log_uniform else rng_py.randint(lo, top)
             kind = _pick(rng_py, self.mix.lookup_kinds)
-            kw = ({"n_questions": rng_py.randint(*self.mix.questions), "n_entries": rng_py.randint(*self.mix.entries)}
-                  if kind == "retrieval" else {"n_vars": rng_py.randint(*self.mix.variables)})
+            if kind == "retrieval":
+                entries = rng_py.randint(*self.mix.entries)
+                kw = {"n_questions": min(rng_py.randint(*questions), max(1, entries // 2)), "n_entries": entries}
+            else:
+                kw = {"n_vars": rng_py.randint(*self.mix.variables)}
             s = S.LONG[kind](rng_py, "train", **kw)
             pad = self._pad(rng)
             ids, roles = S.render_ids(s, self.encode, self.filler, rng, total - len(pad[0]), self.eos)
@@ -156,6 +218,7 @@ def bd_noise(ids: np.ndarray, roles: np.ndarray, obj: Objective, rng: np.random.
     bs = L if bidir else int(rng.choice(sizes))
     bid = np.arange(L) // bs
     roles = roles.copy()
+    other = np.zeros(L, bool)  # sparse: the tokens of the noisy blocks that hold no answer
     if sparse:
         n_blocks, cap = -(-L // bs), obj.noisy_cap // bs
         answer_blocks = np.unique(bid[roles == ROLE_ANSWER])
@@ -163,9 +226,10 @@ def bd_noise(ids: np.ndarray, roles: np.ndarray, obj: Objective, rng: np.random.
             answer_blocks = np.sort(rng.choice(answer_blocks, cap, replace=False))
         rest = np.setdiff1d(np.arange(n_blocks), answer_blocks)
         others = rng.choice(rest, min(len(rest), cap - len(answer_blocks)), replace=False)
-        for b in others:  # the other noisy blocks are trained as plain text
+        for b in others:  # the other noisy blocks are trained as plain text (weight other_weight)
             sl = slice(b * bs, (b + 1) * bs)
             roles[sl] = np.where(roles[sl] == ROLE_PROMPT, ROLE_TEXT, roles[sl])
+            other[sl] = True
         blocks = np.sort(np.concatenate([answer_blocks, others])).astype(np.int64)
         pos = (blocks[:, None] * bs + np.arange(bs)).ravel()
         pos = pos[pos < L]
@@ -184,6 +248,7 @@ def bd_noise(ids: np.ndarray, roles: np.ndarray, obj: Objective, rng: np.random.
         corrupt = trainable & ~masked & (rng.random(n) < rate) & (rand_tok != x0n)
     xt = np.where(masked, mask_id, np.where(corrupt, rand_tok, x0n))
     w = masked + corrupt + obj.keep_weight * (trainable & ~masked & ~corrupt)
+    w = w * np.where(rn == ROLE_PAD, obj.pad_weight, 1.0) * np.where(other[pos], obj.other_weight, 1.0)
 
     def slots(a, fill):
         out = np.full(T, fill, dtype=a.dtype)
@@ -226,16 +291,20 @@ class Batches:
         L, B = ((self.shapes.long_len, self.shapes.long_batch) if long
                 else (self.shapes.short_len, self.shapes.short_batch))
         mix = self.w.mix
+        shares, short_lookup = mix.schedule(step)
         rows = []
         for _ in range(B):
-            kind = "long" if long else rng_py.choices(("code", "tasks", "lookup"), mix.shares)[0]
+            kind = "long" if long else rng_py.choices(("code", "tasks", "lookup"), shares)[0]
             if kind == "code":
                 ids, roles = self.w.code(rng, L)
             elif kind == "tasks":
                 ids, roles = self.w.tasks(rng_py, rng, L)
+            elif long:
+                ids, roles = self.w.lookup(rng_py, rng, L, mix.long_len, log_uniform=True,
+                                           questions=mix.long_questions)
             else:
-                lengths = mix.long_len if long else (mix.lookup_len[0], min(mix.lookup_len[1], L))
-                ids, roles = self.w.lookup(rng_py, rng, L, lengths, log_uniform=long)
+                lengths = (short_lookup[0], min(short_lookup[1], L))
+                ids, roles = self.w.lookup(rng_py, rng, L, lengths, log_uniform=False)
             if self.obj.kind == "bd":
                 bidir = kind == "code" and rng.random() < self.obj.p_bidir
                 rows.append(bd_noise(ids, roles, self.obj, rng, self.vocab, self.n_special, self.mask_id,
@@ -264,42 +333,3 @@ class Batches:
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         return batch | {"long": False, "n_clean": L if self.obj.kind == "bd" else 0}
 
-
-class Producer:
-    """Builds batches start, start + 1, ... in a background thread, `depth` ahead (the tokenizer and numpy
-    release the GIL for most of the work); `convert` (e.g. pinning) runs in the thread too."""
-
-    def __init__(self, make: Callable[[int], dict], start: int, convert: Callable[[dict], dict] = lambda b: b,
-                 depth: int = 3):
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(make, start, convert), daemon=True)
-        self.thread.start()
-
-    def _run(self, make, start, convert):
-        step = start
-        while not self.stop.is_set():
-            try:
-                item = (step, convert(make(step)), None)
-            except BaseException as e:  # handed to the consumer, which raises it
-                item = (step, None, e)
-            while not self.stop.is_set():
-                try:
-                    self.q.put(item, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if item[2] is not None:
-                return
-            step += 1
-
-    def get(self, step: int) -> dict:
-        got, batch, err = self.q.get()
-        if err is not None:
-            raise err
-        assert got == step, (got, step)
-        return batch
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)

@@ -10,11 +10,17 @@ tiny-llada2.1: LLaDA2 MoE layout (LLaDA2MoeModelLM): 16 experts of width 64, top
 tiny-llada: LLaDA layout (LLaDAModelLM, bidirectional MHA, model.transformer.*), context 2048, masked diffusion over
   whole 2,048-token windows (one ratio per window; no clean copy, no block mask: SDPA's flash kernel).
 Data (both): tiny_mix.py's windows over the stdlib training files and synth_tasks.py's generators; the mix is
-MixConfig (code / tasks / lookup window shares). Each step's batch is a pure function of (seed, step).
+MixConfig (code / tasks / lookup window shares, with a curriculum over the first steps). Each step's batch is a pure
+function of (seed, step), built by forked worker processes (`loader`, --workers) a few steps ahead.
+Run layout: the task files are written by a forked child while the model trains (TaskWriter); after training, the
+state and the checkpoint are saved (and packaged), then the in-run evaluation (eval_plan / run_eval_plan) fits every
+task file into the time left before --deadline, scaling each file's task count by the seconds measured so far, and
+the run ends with a compact table (tiny_card.summary_table; the full tables go to tiny_model.md and the card).
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,14 +62,27 @@ ARCH = {
                              "rope_theta": 10000.0, "max_sequence_length": 128},
 }
 # Per (kind, preset): vocabulary, step shapes, data mix (defaults for two such runs side by side on one H200).
+# Full presets: few code windows (the targets are the generated tasks; code stays for the code task files and as
+# filler), arithmetic weighted up, EOS padding after answers (the decode's trailing masks become EOS, not guesses),
+# several questions per retrieval sample (the answer tokens are the only retrieval signal), and a curriculum: more
+# short tasks and short lookups first (MixConfig.schedule), long 8K windows from step long_from.
+SHORT_KINDS = (("add", 0.25), ("mul", 0.25), ("sort", 0.2), ("reverse", 0.15), ("copy", 0.15))
 RUN = {
-    ("tiny-llada2.1", "full"): {"vocab": 4096, "shapes": M.Shapes(1024, 16, 8192, 3, long_from=500, long_every=2),
-                                "noisy_cap": 1024, "mix": M.MixConfig()},
+    ("tiny-llada2.1", "full"): {"vocab": 4096, "shapes": M.Shapes(1024, 16, 8192, 3, long_from=700, long_every=2),
+                                "noisy_cap": 1024, "other_weight": 0.3,
+                                "mix": M.MixConfig(shares=(0.2, 0.45, 0.35), early_shares=(0.1, 0.6, 0.3),
+                                                   short_kinds=SHORT_KINDS, lookup_len=(96, 1024), lookup_start=320,
+                                                   grow_steps=1200, long_len=(1024, 8192), questions=(1, 6),
+                                                   long_questions=(2, 8), entries=(8, 20), eos_pad=(2, 32))},
     ("tiny-llada2.1", "tiny"): {"vocab": 384, "shapes": M.Shapes(64, 2, 128, 2, long_from=1, long_every=2),
                                 "noisy_cap": 32, "mix": M.MixConfig(lookup_len=(40, 64), long_len=(64, 128),
-                                                                    questions=(1, 2), entries=(2, 3), variables=(2, 3))},
+                                                                    questions=(1, 2), entries=(2, 3), variables=(2, 3),
+                                                                    eos_pad=(1, 4), early_shares=(0.2, 0.6, 0.2),
+                                                                    grow_steps=2)},
     ("tiny-llada", "full"): {"vocab": 4096, "shapes": M.Shapes(2048, 24), "noisy_cap": 0,
-                             "mix": M.MixConfig(shares=(0.35, 0.40, 0.25), lookup_len=(128, 2048), eos_pad=(4, 32))},
+                             "mix": M.MixConfig(shares=(0.15, 0.45, 0.40), early_shares=(0.1, 0.6, 0.3),
+                                                short_kinds=SHORT_KINDS, lookup_len=(96, 2048), lookup_start=512,
+                                                grow_steps=1500, questions=(1, 6), entries=(8, 20), eos_pad=(4, 32))},
     ("tiny-llada", "tiny"): {"vocab": 384, "shapes": M.Shapes(128, 2), "noisy_cap": 0,
                              "mix": M.MixConfig(shares=(0.35, 0.40, 0.25), lookup_len=(40, 128), questions=(1, 2),
                                                 entries=(2, 3), variables=(2, 3), eos_pad=(2, 6))},
@@ -134,19 +153,20 @@ def fill_defaults(args) -> None:
     args.batch = args.shapes.short_batch
     args.objective = M.Objective("bd" if args.kind == "tiny-llada2.1" else "mdm", p_bidir=args.p_bidir,
                                  p_t2t=args.p_t2t, max_corrupt=args.max_corrupt, keep_weight=args.keep_weight,
-                                 noisy_cap=args.noisy_cap or run["noisy_cap"])
+                                 noisy_cap=args.noisy_cap or run["noisy_cap"],
+                                 other_weight=run.get("other_weight", 1.0))
     args.mix = run["mix"] if args.mix is None else M.MixConfig(**{**asdict(run["mix"]), "shares": tuple(args.mix)})
     if args.kind == "tiny-llada" and args.shapes.long_len:
         raise SystemExit("--long-len: tiny-llada trains one window length (--seq-len)")
     if args.deadline is None:
-        args.deadline = 510.0
+        args.deadline = 560.0
     if args.time_budget is None:
         args.time_budget = 1e9  # train until the deadline less the evaluation's share
 
 
 # ---------------------------------------------------------------------------------------------- training
 
-def to_torch(batch: dict, pin: bool) -> dict:
+def to_torch(batch: dict, pin: bool = False) -> dict:
     out = {}
     for k, v in batch.items():
         if isinstance(v, np.ndarray):
@@ -155,6 +175,35 @@ def to_torch(batch: dict, pin: bool) -> dict:
         else:
             out[k] = v
     return out
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Map-style dataset whose index is the step: item s is make(s) as CPU tensors (built in a worker)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __getitem__(self, step: int) -> dict:
+        return to_torch(self.make(step))
+
+
+def default_workers(device: torch.device) -> int:
+    """Batch-building processes: none on the CPU (the tests; the model needs the cores), else half the cores
+    less one, at most 6 (two runs side by side on a 16-core device machine leave cores for their main processes)."""
+    return 0 if device.type != "cuda" else max(1, min(6, (os.cpu_count() or 2) // 2 - 1))
+
+
+def loader(make, start: int, workers: int, pin: bool):
+    """Batches start, start + 1, ... in order, built by `workers` forked processes (0: in this process) a few steps
+    ahead and pinned in a thread of this one. Forked workers run numpy and the tokenizer only (no CUDA), and the
+    tokenizer's own thread pool is turned off first (a forked Rust pool deadlocks)."""
+    from torch.utils.data import DataLoader
+
+    if workers:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return DataLoader(StepBatches(make), batch_size=None, sampler=range(start, start + (1 << 40)), num_workers=workers,
+                      pin_memory=pin, prefetch_factor=4 if workers else None, persistent_workers=False,
+                      multiprocessing_context="fork" if workers else None)
 
 
 def to_device(batch: dict, dev) -> dict:
@@ -244,7 +293,8 @@ def train(model, batches: M.Batches, held: dict, args, log, stop_at: float, resu
     first = step = prior["step"]
     history = list(prior["history"])
     total = args.steps
-    producer = M.Producer(batches.make, step, lambda b: to_torch(b, cuda))
+    workers = default_workers(dev) if args.workers is None else args.workers
+    data = iter(loader(batches.make, step, workers, pin=cuda))
     held_t = to_device(to_torch(held, False), dev)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     timer, tried = ShapeTimer(), set()
@@ -287,7 +337,7 @@ def train(model, batches: M.Batches, held: dict, args, log, stop_at: float, resu
                     stop = "wall clock"
                     break
                 t_get = time.time()
-                b = to_device(producer.get(step), dev)
+                b = to_device(next(data), dev)
                 waited += time.time() - t_get
                 shape = "long" if b["long"] else "short"
                 lr = args.lr * lr_factor(step, first, total, args)
@@ -348,7 +398,7 @@ def train(model, batches: M.Batches, held: dict, args, log, stop_at: float, resu
             if stats_n:  # stopped by the wall clock: the last steps' line, with the held-out loss
                 record(True)
     finally:
-        producer.close()
+        del data  # stops the workers
     if cuda:
         torch.cuda.synchronize()
     wall = time.time() - t_start
@@ -356,7 +406,8 @@ def train(model, batches: M.Batches, held: dict, args, log, stop_at: float, resu
     model.eval().requires_grad_(False)
     final = history[-1] if history else {}
     call = {"first_step": first, "steps": step - first, "wall_s": wall, "stopped_by": stop, "attention":
-            "flex" if use_flex else ("sdpa-dense" if cuda else "sdpa-cpu"), "grad_accum": accum}
+            "flex" if use_flex else ("sdpa-dense" if cuda else "sdpa-cpu"), "grad_accum": accum, "workers": workers,
+            "data_wait_s": waited}
     return {"steps": step, "stopped_by": stop, "wall_s": prior["wall_s"] + wall, "tokens_seen": prior["tokens_seen"] + seen,
             "tokens_forwarded": prior["tokens_forwarded"] + fwd_tokens, "calls": prior["calls"] + [call],
             "final": final, "history": history, "opt": opt, "attention": call["attention"]}
@@ -417,7 +468,111 @@ def ordered(files: dict[str, Path]) -> dict[str, Path]:
     return dict(sorted(files.items(), key=lambda kv: rank.get(kv[0].removesuffix(".jsonl"), len(rank))))
 
 
+@dataclass(frozen=True)
+class EvalItem:
+    """One task file of the in-run evaluation: which policies (labels of train_tiny.EVAL_POLICIES), at most how many
+    tasks, and its prompts' length in tokens (about), which weighs its cost."""
+    name: str
+    policies: tuple[str, ...]
+    cap: int
+    context: int
+
+    def units(self, n: int | None = None) -> float:
+        return (self.cap if n is None else n) * len(self.policies) * (1 + self.context / 1024)
+
+
+ALL_POLICIES = ("threshold-0.95", "threshold-0.9", "t2t")
+
+
+def prompt_tokens(file: Path, n: int = 8) -> int:
+    """Mean prompt length of a task file's first n tasks: prompt_ids, else about 3 characters a token."""
+    rows = [json.loads(ln) for ln in file.read_text().splitlines()[:n] if ln.strip()]
+    if not rows:
+        return 0
+    return int(statistics.mean(len(r["prompt_ids"]) if "prompt_ids" in r else len(r["prompt"]) / 3 for r in rows))
+
+
+def eval_plan(task_files: dict[str, Path], quick: bool = False) -> list[EvalItem]:
+    """Every task file, the issue's targets first. arithmetic and lists (the exact-match, tokens-per-forward and t2t
+    targets) with all three policies, 64 tasks; every other file with the exact decode (`threshold-0.95`) only
+    (code_short also at 0.9), 32 tasks; `compiledllm eval` runs the full grid later. quick: 2 tasks, one policy."""
+    items = []
+    for name, file in ordered(task_files).items():
+        stem, ctx = name.removesuffix(".jsonl"), prompt_tokens(file)
+        if quick:
+            items.append(EvalItem(name, ALL_POLICIES[:1], 2, ctx))
+        elif stem in ("arithmetic", "lists"):
+            items.append(EvalItem(name, ALL_POLICIES, 64, ctx))
+        else:
+            items.append(EvalItem(name, ALL_POLICIES[:2] if stem == "code_short" else ALL_POLICIES[:1], 32, ctx))
+    return items
+
+
+def eval_limit(item: EvalItem, rest_units: float, seconds_left: float, rate: float) -> int:
+    """Tasks of `item` to run: its cap, or the same share of every remaining file's cap that fits the time left at
+    `rate` seconds a unit (EvalItem.units), but at least 4 while those fit (the plan's order is its priority);
+    else 0."""
+    floor = min(4, item.cap)
+    n = int(item.cap * min(1.0, seconds_left / max(rest_units * rate, 1e-9)))
+    return max(n, floor) if item.units(floor) * rate <= seconds_left else 0
+
+
+def run_eval_plan(model, task_files: dict[str, Path], plan: list[EvalItem], table, log, end_at: float,
+                  rate: float = 0.06) -> tuple[dict, dict]:
+    """(task results, needle ablation) of the plan, every file finished by end_at: each file's task count comes from
+    eval_limit with the seconds a unit measured so far (`rate` until then: run 1 on the H200 spent 0.035-0.055)."""
+    import train_tiny as T
+
+    by_label = {p["label"]: p for p in T.EVAL_POLICIES}
+    tasks, ablation, spent, units = {}, {}, 0.0, 0.0
+    for i, item in enumerate(plan):
+        start = time.time()
+        n = eval_limit(item, sum(it.units() for it in plan[i:]), end_at - start, spent / units if units else rate)
+        if n == 0:
+            log(f"skipping {item.name}: no time left")
+            tasks[item.name] = {"skipped": "deadline"}
+            continue
+        tasks |= T.eval_tasks(model, {item.name: task_files[item.name]}, table, 32, log, end_at, n,
+                              tokenizer=model.tokenizer, policies=[by_label[lb] for lb in item.policies])
+        if item.name.startswith("retrieval") and "policies" in tasks[item.name]:
+            ablation[item.name] = needle_ablation(model, task_files[item.name], n)
+            log(f"needle ablation {item.name}: " + json.dumps(ablation[item.name]))
+        spent, units = spent + time.time() - start, units + item.units(n)
+    return tasks, ablation
+
+
 # ------------------------------------------------------------------------------------------------- main
+
+def write_task_files(tok, held_files, held_code, args, tasks_dir: Path, log) -> None:
+    """The run's task files (code from held-out files, then the synthetic plan). Runs in a forked process beside the
+    training: the 4K / 8K files size their prompts by tokenizing, ~30 s on the device machine."""
+    import train_tiny as T
+
+    short, long_ = D.build_tasks(tok, held_files, seed=args.seed, **T.PRESETS[args.preset]["tasks"])
+    D.write_jsonl(tasks_dir / "code_short.jsonl", short)
+    D.write_jsonl(tasks_dir / "code_long.jsonl", long_)
+    plan = synth_plan(args.kind, args.preset)
+    write_synthetic(plan, tok, [f.text for f in held_code], tasks_dir)
+    log(f"tasks: {len(short)} code_short, {len(long_)} code_long, " + ", ".join(f"{t.n} {t.name}" for t in plan))
+
+
+class TaskWriter:
+    """write_task_files in a forked child (before any CUDA work in this process), joined before the files are read."""
+
+    def __init__(self, *a):
+        import multiprocessing as mp
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no Rust thread pool across the fork (it would deadlock)
+        self.proc = mp.get_context("fork").Process(target=write_task_files, args=a, daemon=True)
+        self.proc.start()
+
+    def join(self, log) -> bool:
+        if self.proc.exitcode is None:
+            self.proc.join()
+        if self.proc.exitcode != 0:
+            log(f"writing the task files failed (exit code {self.proc.exitcode}): no task evaluation")
+        return self.proc.exitcode == 0
+
 
 def main(args, t0: float) -> dict:
     import train_tiny as T
@@ -449,7 +604,7 @@ def main(args, t0: float) -> dict:
     if resumed is not None:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(args.resume / "tokenizer.json"))
+        tok = Tokenizer.from_str(resumed[2])
     else:
         tok = D.train_tokenizer([f.text for f in train_files], args.vocab, digits=True)
     vocab = tok.get_vocab_size()
@@ -461,13 +616,10 @@ def main(args, t0: float) -> dict:
     log(f"tokenizer: vocab {vocab} (digits split); {len(train_stream):,} training tokens, {len(held_stream):,} held out")
 
     tasks_dir = out / "tasks"
-    short, long_ = D.build_tasks(tok, held_files, seed=args.seed, **T.PRESETS[args.preset]["tasks"])
-    task_files = {"code_short.jsonl": tasks_dir / "code_short.jsonl", "code_long.jsonl": tasks_dir / "code_long.jsonl"}
-    D.write_jsonl(task_files["code_short.jsonl"], short)
-    D.write_jsonl(task_files["code_long.jsonl"], long_)
-    plan = synth_plan(args.kind, args.preset)
-    task_files |= write_synthetic(plan, tok, [f.text for f in held_code], tasks_dir)
-    log(f"tasks: {len(short)} code_short, {len(long_)} code_long, " + ", ".join(f"{t.n} {t.name}" for t in plan))
+    tasks_dir.mkdir(parents=True, exist_ok=True)
+    task_files = {f"{n}.jsonl": tasks_dir / f"{n}.jsonl"
+                  for n in ["code_short", "code_long"] + [t.name for t in synth_plan(args.kind, args.preset)]}
+    writer = TaskWriter(tok, held_files, held_code, args, tasks_dir, log)
 
     cfg = hf_config(args.kind, args.preset, vocab)
     model = T.build_model(cfg, dev, args.seed)
@@ -476,15 +628,17 @@ def main(args, t0: float) -> dict:
     windows = M.Windows(tok, train_stream, args.mix, D.EOS)
     batches = M.Batches(windows, args.shapes, args.objective, args.seed, vocab, len(D.SPECIALS), D.MASK, D.PAD)
     held = batches.held_out(held_stream, 8 if args.preset == "full" else 2, args.seed)
-    eval_reserve = {"full": 100, "quick": 25, "none": 5}[args.eval]
-    training = train(model, batches, held, args, log, deadline_at - eval_reserve, resumed)
+    eval_reserve = {"full": 90 if args.kind == "tiny-llada2.1" else 75, "quick": 25, "none": 5}[args.eval]
+    training = train(model, batches, held, args, log, deadline_at - eval_reserve, resumed and resumed[:2])
 
     run = {"kind": args.kind, "preset": args.preset, "seed": args.seed, "vocab": args.vocab, "holdout": args.holdout,
            "shapes": asdict(args.shapes), "objective": asdict(args.objective), "mix": asdict(args.mix)}
     info = run | {"config": cfg, "step": training["steps"], "history": training["history"], "wall_s": training["wall_s"],
                   "tokens_seen": training["tokens_seen"], "tokens_forwarded": training["tokens_forwarded"],
-                  "calls": training["calls"]}
-    tiny_state.save_state(state_dir, model, training.pop("opt"), info, tok, dtype=getattr(torch, args.state_dtype))
+                  "calls": training["calls"], "state_dtype": args.state_dtype,
+                  "state_moments": not args.state_weights_only}
+    tiny_state.save_state(state_dir, model, training.pop("opt"), info, tok, dtype=getattr(torch, args.state_dtype),
+                          moments=not args.state_weights_only)
     model.tokenizer = TextTokenizer(tok, D.tokenizer_config(cfg.get("max_position_embeddings")
                                                            or cfg["max_sequence_length"]))
     weight_files = save_model(model, ckpt, cfg, dtype=torch.bfloat16)
@@ -507,11 +661,12 @@ def main(args, t0: float) -> dict:
     tiny_state.plot_history(training["history"], out / "loss_curve.png", f"{args.kind}: {steps} steps, "
                             f"{training['tokens_seen'] / 1e6:.1f}M tokens, {training['wall_s']:.0f} s")
     results["run_wall_s"] = time.time() - t0
+    tasks_ok = writer.join(log)
     write_reports(out, ckpt, results)
-    log(f"saved {ckpt} ({results['weights_bytes'] / 1e6:.2f} MB of weights) and {state_dir}")
-    T.package(out, args.package)
+    log(f"saved {ckpt} ({results['weights_bytes'] / 1e6:.2f} MB of weights) and {state_dir} ({args.state_dtype})")
+    T.package(out, args.package, state=args.package_state)
 
-    if args.eval != "none":
+    if args.eval != "none" and tasks_ok:
         torch.backends.cuda.matmul.allow_tf32 = False
         m = load_model(ckpt, device=dev, dtype=torch.float32)  # exactly the saved (bf16) weights
         results["eval_device"] = str(dev)
@@ -520,19 +675,12 @@ def main(args, t0: float) -> dict:
         results["masked_accuracy"] = T.masked_accuracy(m, torch.tensor(held_stream, dtype=torch.long, device=dev),
                                                        args.shapes.short_len, n_win, args.seed, modes=modes)
         table = D.bigram_table(train_stream.tolist(), vocab)
-        limit = None if args.eval == "full" else 2
-        policies = T.EVAL_POLICIES if args.eval == "full" else T.EVAL_POLICIES[:1]  # quick: the reference only
-        results["tasks"] = T.eval_tasks(m, ordered(task_files), table, 32, log, deadline_at - 30, limit,
-                                        tokenizer=m.tokenizer, policies=policies)
-        results["needle_ablation"] = {}
-        for name, f in task_files.items():
-            if name.startswith("retrieval") and time.time() < deadline_at - 20:
-                results["needle_ablation"][name] = needle_ablation(m, f, limit)
-                log(f"needle ablation {name}: " + json.dumps(results["needle_ablation"][name]))
+        plan = eval_plan(task_files, quick=args.eval == "quick")
+        results["tasks"], results["needle_ablation"] = run_eval_plan(m, task_files, plan, table, log, deadline_at - 12)
     results["run_wall_s"] = time.time() - t0
     write_reports(out, ckpt, results)
-    T.package(out, args.package)
-    log(f"done in {results['run_wall_s']:.0f} s\n\n" + T.metrics_tables(results))
+    T.package(out, args.package, state=args.package_state)
+    log(f"done in {results['run_wall_s']:.0f} s (full tables: {out / 'tiny_model.md'})\n" + results["summary"])
     return results
 
 
@@ -540,6 +688,8 @@ def write_reports(out: Path, ckpt: Path, results: dict) -> None:
     import tiny_card
     import train_tiny as T
 
+    results["summary"] = tiny_card.summary_table(results)
     (ckpt / "README.md").write_text(tiny_card.model_card(results))
     (out / "tiny_model.md").write_text(T.metrics_tables(results) + "\n")
+    (out / "summary.txt").write_text(results["summary"])
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

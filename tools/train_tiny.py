@@ -35,10 +35,12 @@ Smoke test: python tools/train_tiny.py --preset tiny --steps 3 --max-files 40 --
 Everything above is the legacy kind, `--kind tiny-llada2` (the default, kept as it was so that the shipped model's
 command reproduces it). `--kind tiny-llada2.1` (LLaDA2 MoE, 16 experts, context 8192, block diffusion + T2T) and
 `--kind tiny-llada` (LLaDA, bidirectional MHA, context 2048, masked diffusion) train on the stdlib mixed with
-generated tasks (tools/train_kinds.py, tools/tiny_mix.py, tools/synth_tasks.py), resume with `--resume DIR/state`,
-and by default end by --deadline 510 s:
+generated tasks (tools/train_kinds.py, tools/tiny_mix.py, tools/synth_tasks.py), resume with `--resume DIR/state`
+(or a --package-state folder), and by default end by --deadline 560 s:
   python tools/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21
-  python tools/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b --deadline 510
+  python tools/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b
+  python tools/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21 --state-dtype bfloat16 --package $OUT --package-state
+  python tools/train_tiny.py --kind tiny-llada2.1 --resume $OUT_FOLDER --out /tmp/l21c
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=None,
                     help="training wall-clock seconds (tiny-llada2: 420; new kinds: up to the deadline)")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="whole-script seconds; eval is trimmed to fit (new kinds: 510)")
+                    help="whole-script seconds; the in-run eval is scaled to fit (new kinds: 560)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -133,7 +135,16 @@ def parse_args(argv=None):
     new = ap.add_argument_group("tiny-llada2.1 / tiny-llada (--seq-len and --batch set the short steps)")
     new.add_argument("--resume", type=Path, default=None, help="continue from a state dir (OUT/state of a run)")
     new.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
-                     help="dtype of the saved parameters and optimizer moments (float32: exact resume)")
+                     help="saved state: float32 (parameters and both AdamW moments: exact resume, ~12 B a "
+                          "parameter) or bfloat16 (parameters and second moments in bf16, first moments dropped "
+                          "and rebuilt after the resume: not exact, 4 B a parameter, ~41 MB for tiny-llada2.1)")
+    new.add_argument("--state-weights-only", action="store_true",
+                     help="save no optimizer moments (AdamW starts afresh on resume; with bfloat16 2 B a parameter)")
+    new.add_argument("--package-state", action="store_true",
+                     help="with --package: the state's shards too (needs --state-dtype bfloat16); `--resume` takes "
+                          "that folder as it comes back (--steps 0: no more training, only the checkpoint and eval)")
+    new.add_argument("--workers", type=int, default=None,
+                     help="batch-building processes (default: 0 on the CPU, min(6, cores / 2 - 1) on CUDA)")
     new.add_argument("--long-len", type=int, default=None, help="long-step window (0: none)")
     new.add_argument("--long-batch", type=int, default=None)
     new.add_argument("--long-from", type=int, default=None, help="first long step")
@@ -151,6 +162,9 @@ def parse_args(argv=None):
         import train_kinds
 
         train_kinds.fill_defaults(args)
+        if args.package_state and (args.package is None or args.state_dtype != "bfloat16"):
+            raise SystemExit("--package-state: needs --package DIR and --state-dtype bfloat16 (a float32 state is "
+                             "over what a device call brings back)")
         return args
     if args.resume is not None:
         raise SystemExit("--resume: only the tiny-llada2.1 and tiny-llada kinds resume")
@@ -163,13 +177,19 @@ def parse_args(argv=None):
 
 
 class Log:
+    """Progress lines to stdout and to train_log.txt beside `path`; records (keyword arguments) to `path` (JSONL)."""
+
     def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = path.open("a" if append else "w")
+        self.text = path.with_suffix(".txt").open("a" if append else "w")
         self.t0 = time.time()
 
     def __call__(self, msg: str, **rec) -> None:
-        print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True)
+        line = f"[{time.time() - self.t0:7.1f}s] {msg}"
+        print(line, flush=True)
+        self.text.write(line + "\n")
+        self.text.flush()
         if rec:
             self.file.write(json.dumps({"t": round(time.time() - self.t0, 2), **rec}) + "\n")
             self.file.flush()
@@ -571,12 +591,13 @@ Reproduce: `{results['command']}`.
 """
 
 
-def package(out: Path, dest: Path | None) -> None:
-    """Copy the weights and a tarball of every other output file to `dest` (the device run's $OUT)."""
+def package(out: Path, dest: Path | None, state: bool = False) -> None:
+    """Copy the weights (state: and the state's shards) and a tarball of every other output file to `dest`
+    (the device run's $OUT: files of at most 16 MiB, all in one folder)."""
     if dest is None:
         return
     dest.mkdir(parents=True, exist_ok=True)
-    for f in (out / "checkpoint").glob("*.safetensors"):
+    for f in [*(out / "checkpoint").glob("*.safetensors"), *((out / "state").glob("*.safetensors") if state else ())]:
         shutil.copy2(f, dest / f.name)
     tmp = dest / "bundle.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:

@@ -174,6 +174,56 @@ def test_batches_depend_on_seed_and_step_only(tok, corpus):
     assert (m["tokens"][m["masked"]] == D.MASK).all() and (m["weights"][~m["masked"]] == 0).all()
 
 
+def test_digit_split_encoder_is_exact(tok, corpus):
+    """The training windows' fast encoder gives the tokenizer's ids on every kind of generated text."""
+    import tiny_mix as M
+
+    fast = M.DigitSplitEncoder(tok, cache_size=64)
+    rng = random.Random(11)
+    texts = [t for kind in S.SHORT.values() for s in (kind(rng) for _ in range(60)) for t in (s.prompt, s.reference)]
+    for s in [S.retrieval(rng, n_questions=3) for _ in range(15)] + [S.binding(rng) for _ in range(15)]:
+        texts += list(s.pieces) + [t for q in s.questions for t in (q.text, q.reference)]
+    texts += ["x = 10.5e3\n", "  0x1F  ", "é1", "", "9"]
+    assert all(fast.encode(t) == enc(tok, t) for t in texts)
+    w = M.Windows(tok, np.asarray(enc(tok, corpus[0][0].text), np.int32), M.MixConfig(), D.EOS)
+    assert w.fast is not None and w.encode(texts[:4]) == [enc(tok, t) for t in texts[:4]]
+    plain = D.train_tokenizer([f.text for f in corpus[0][:20]], 400)  # digits merged: the tokenizer is used
+    assert M.Windows(plain, np.asarray(enc(plain, "a = 1\n" * 50), np.int32), M.MixConfig(), D.EOS).fast is None
+
+
+def test_curriculum_schedule():
+    import tiny_mix as M
+
+    mix = M.MixConfig(shares=(0.2, 0.4, 0.4), early_shares=(0.0, 0.8, 0.2), lookup_len=(100, 1000),
+                      lookup_start=300, grow_steps=100)
+    assert mix.schedule(0) == ((0.0, 0.8, 0.2), (100, 300))
+    shares, (_, hi) = mix.schedule(50)
+    assert np.allclose(shares, (0.1, 0.6, 0.3)) and hi == 650
+    assert mix.schedule(100) == mix.schedule(10**6) == ((0.2, 0.4, 0.4), (100, 1000))
+    assert M.MixConfig().schedule(0) == (M.MixConfig().shares, M.MixConfig().lookup_len)  # no curriculum
+
+
+def test_eos_padding_and_loss_weights(tok, corpus):
+    """Answers are followed by trained EOS padding (weight pad_weight), for block diffusion too, and a long step's
+    noisy blocks without answers weigh other_weight."""
+    import tiny_mix as M
+
+    stream = np.asarray(D.token_stream(D.encode_files(tok, corpus[0][:20])), np.int32)
+    mix = M.MixConfig(shares=(0.0, 1.0, 0.0), lookup_len=(64, 256), long_len=(128, 512), eos_pad=(3, 3))
+    obj = M.Objective("bd", noisy_cap=128, keep_weight=0.0, p_t2t=0.0, pad_weight=0.5, other_weight=0.25)
+    b = M.Batches(M.Windows(tok, stream, mix, D.EOS), M.Shapes(256, 2, 512, 2, long_from=1, long_every=2), obj, 3,
+                  tok.get_vocab_size(), 3, D.MASK, D.PAD)
+    short, long = b.make(0), b.make(1)
+    w, tgt, ans = short["weights"], short["targets"], short["answer"]
+    pads = (w == 0.5) & (tgt == D.EOS) & ~ans
+    assert pads.sum() >= 3 and set(np.unique(w[short["masked"]]).tolist()) <= {0.5, 1.0}
+    ids = short["tokens"][0, :256].tolist()
+    i = ids.index(D.EOS)  # an answer's EOS, then the three padding EOS
+    assert ids[i : i + 4] == [D.EOS] * 4 and ids[i + 4] != D.EOS
+    lw = long["weights"][long["masked"]]
+    assert (lw == 0.25).any() and (lw == 1.0).any()  # code blocks vs answer blocks
+
+
 def test_bd_mask_matches_a_literal_rule():
     import torch
 

@@ -111,12 +111,14 @@ def _state(path: Path) -> dict:
 
 @pytest.mark.parametrize("kind", ["tiny-llada2.1", "tiny-llada"])
 def test_new_kind_trains_saves_evaluates_and_resumes_exactly(tmp_path, kind):
-    full = _train(kind, tmp_path / "a", "--steps", "3", "--eval", "quick")
+    full = _train(kind, tmp_path / "a", "--steps", "3", "--eval", "quick", "--workers", "2")
     _train(kind, tmp_path / "b", "--steps", "2", "--eval", "none")
     resumed = _train(kind, tmp_path / "c", "--steps", "3", "--eval", "none", "--resume", str(tmp_path / "b" / "state"))
 
-    # the resumed run trained step 3 only, and ends with the uninterrupted run's parameters and optimizer state
+    # the resumed run trained step 3 only, and ends with the uninterrupted run's parameters and optimizer state;
+    # the uninterrupted run's batches came from two worker processes, the others' from the main process
     assert [(c["first_step"], c["steps"]) for c in resumed["training"]["calls"]] == [(0, 2), (2, 1)]
+    assert full["training"]["calls"][0]["workers"] == 2 and resumed["training"]["calls"][-1]["workers"] == 0
     a, c = _state(tmp_path / "a"), _state(tmp_path / "c")
     assert set(a) == set(c) and any(k.startswith("opt.") for k in a)
     for name in a:
@@ -135,6 +137,9 @@ def test_new_kind_trains_saves_evaluates_and_resumes_exactly(tmp_path, kind):
     synth = {"arithmetic.jsonl", "lists.jsonl", "retrieval_128.jsonl", "var_binding.jsonl"}
     assert synth <= set(full["tasks"]) and "threshold-0.95" in full["tasks"]["arithmetic.jsonl"]["policies"]
     assert set(full["needle_ablation"]) == {"retrieval_128.jsonl"}
+    summary = (out / "summary.txt").read_text()  # the compact table printed at the end
+    assert summary == full["summary"] and len(summary.splitlines()) < 16
+    assert all(name.removesuffix(".jsonl") in summary for name in synth) and "EM>=0.95" in summary
 
     model = compiledllm.load_model(ckpt)
     cfg = model.config
@@ -148,3 +153,75 @@ def test_new_kind_trains_saves_evaluates_and_resumes_exactly(tmp_path, kind):
     res = generate(model, [model.tokenizer.encode("12 + 34 =")], {"name": "threshold", "block_size": 8},
                    max_new_tokens=8)
     assert 1 <= len(res[0].output_ids) <= 8
+
+
+def test_bf16_state_comes_back_in_a_package_and_resumes(tmp_path):
+    """--state-dtype bfloat16 --package-state: the package holds the state's shards (bf16, no first moments) beside
+    the checkpoint weights and the bundle; --resume takes the package folder as it is and trains on."""
+    from safetensors.torch import load_file
+
+    pkg = tmp_path / "pkg"
+    first = _train("tiny-llada2.1", tmp_path / "a", "--steps", "2", "--eval", "none", "--state-dtype", "bfloat16",
+                   "--package", str(pkg), "--package-state")
+    names = sorted(p.name for p in pkg.iterdir())
+    assert names[:2] == ["bundle.tar.gz", "model.safetensors"] and names[2:]
+    assert all(n.startswith("train_state-") for n in names[2:])
+    state = {k: v for f in sorted(pkg.glob("train_state-*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert not any(k.endswith(".exp_avg") for k in state) and any(k.endswith(".exp_avg_sq") for k in state)
+    assert all(v.dtype == torch.bfloat16 for k, v in state.items() if k.startswith("model.") and "expert_bias" not in k)
+    params = first["parameters"]
+    assert sum(v.numel() * v.element_size() for v in state.values()) < 4.5 * params  # vs 12 B a parameter in float32
+
+    resumed = _train("tiny-llada2.1", tmp_path / "b", "--steps", "3", "--eval", "none", "--resume", str(pkg))
+    assert [(c["first_step"], c["steps"]) for c in resumed["training"]["calls"]] == [(0, 2), (2, 1)]
+    again = compiledllm.load_model(tmp_path / "b" / "checkpoint")
+    assert again.config.architecture == "llada2_moe"
+    with pytest.raises(SystemExit, match="package-state"):
+        _train("tiny-llada2.1", tmp_path / "c", "--steps", "1", "--package", str(tmp_path / "p2"), "--package-state")
+
+
+def test_in_run_eval_plan_fits_every_file_in_the_time_left(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_kinds as K
+
+    files = {}
+    for name, prompt in (("code_long", "x" * 6000), ("arithmetic", "12 + 34 ="), ("retrieval_8k", "y" * 24000)):
+        files[f"{name}.jsonl"] = tmp_path / f"{name}.jsonl"
+        files[f"{name}.jsonl"].write_text(json.dumps({"prompt": prompt, "reference": " 1\n"}) + "\n")
+    plan = K.eval_plan(files)
+    assert [i.name for i in plan] == ["arithmetic.jsonl", "retrieval_8k.jsonl", "code_long.jsonl"]  # targets first
+    assert plan[0].policies == K.ALL_POLICIES and plan[1].policies == ("threshold-0.95",)
+    assert plan[1].context == 8000 and plan[0].cap == 64 and plan[1].cap == 32
+    rest = sum(i.units() for i in plan)
+    assert K.eval_limit(plan[0], rest, seconds_left=1e6, rate=0.05) == 64  # time enough: the cap
+    n = K.eval_limit(plan[0], rest, seconds_left=rest * 0.05 / 2, rate=0.05)  # half the time: half of each cap
+    assert n == 32 and K.eval_limit(plan[1], rest, rest * 0.05 / 2, 0.05) == 16
+    assert K.eval_limit(plan[0], rest, seconds_left=rest * 0.05 / 20, rate=0.05) == 4  # at least 4 while they fit
+    assert K.eval_limit(plan[1], rest, seconds_left=1.0, rate=0.05) == 0  # not even 4 fit: skipped
+
+
+def test_weights_only_state_restores_with_a_fresh_optimizer(tmp_path):
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tiny_state
+    import train_kinds as K
+    import train_tiny as T
+
+    args = argparse.Namespace(weight_decay=0.1, lr=1e-3, device=torch.device("cpu"))
+    model = T.build_model(K.hf_config("tiny-llada2.1", "tiny", 384), torch.device("cpu"), 0)
+    opt = T.make_optimizer(model, args)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    tiny_state.save_state(tmp_path, model, opt, {"step": 1}, dtype=torch.bfloat16, moments=False)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    info, tensors, _ = tiny_state.read_state(tmp_path)
+    assert info == {"step": 1} and tensors and not any(k.startswith("opt.") for k in tensors)
+    again = T.build_model(K.hf_config("tiny-llada2.1", "tiny", 384), torch.device("cpu"), 1)
+    opt2 = T.make_optimizer(again, args)
+    tiny_state.restore(again, opt2, tensors)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        want = a if name.endswith("expert_bias") else a.to(torch.bfloat16).float()
+        assert torch.equal(b, want), name
+    assert not opt2.state  # AdamW starts afresh
