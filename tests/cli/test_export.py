@@ -1,7 +1,8 @@
 """`compiledllm export` (AOTInductor, CPU and CUDA): the exported engine gives the same tokens as the eager one, its
 bucket packages share one weights file, its KV capacity is an export option, and a run needing more says so.
 
-Compiling is slow on the CPU: one export (two buckets) per device serves every test here (a module fixture)."""
+Compiling is slow on the CPU: one export (two buckets) per device serves every test here (a module fixture), of a
+2-layer LLaDA2 (a dense layer and an MoE layer; the package unrolls every layer, so each costs compile time)."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ def write_recipe(path, **changes):
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
 def exported(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"export_{request.param}")
-    ckpt = write_checkpoint(tmp / "m", "llada2", 3)
+    ckpt = write_checkpoint(tmp / "m", "llada2", 3, num_hidden_layers=2)
     write_tokenizer(ckpt)  # the exported engine carries the tokenizer: text prompts still work
     recipe = {"model": {"path": str(ckpt), "device": request.param},
               "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},

@@ -424,50 +424,58 @@ COMPILE_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,policy,block", COMPILE_CASES, ids=[f"{c[0]}-{c[1]['name']}" for c in COMPILE_CASES])
-def test_compiled_equals_eager(ckpt_dirs, name, policy, block):
+def test_compiled_equals_eager(ckpt_dirs, compile_kw, name, policy, block):
     d = ckpt_dirs[name]
     prompts = [_prompt(200 + i, n) for i, n in enumerate([5, 8, 2, 11])]
     fn = _logits_fn(_model(d, 0))
     eos = _eos_for_mixed_stops([_literal(fn, p, policy, block, 10, 10**9, False) for p in prompts], 10)
     model = _model(d, eos)
     pol = _policy(policy, block)
-    kw = dict(max_new_tokens=10, batch_size=4, max_seq_len=32)
+    kw = dict(max_new_tokens=10, **compile_kw)
     eager = [list(r.output_ids) for r in generate(model, prompts, pol, compile=False, **kw)]
     compiled = [list(r.output_ids) for r in generate(model, prompts, pol, compile=True, **kw)]
     assert compiled == eager
     assert len({len(e) for e in eager}) > 1, "rows should stop at different steps"
 
 
-def test_regional_compile_shares_one_graph_per_layer_kind():
+# The two tests below run the built-in tiny LLaDA2 (bfloat16: compiled torch._grouped_mm on the CPU) with the same
+# prompts, block, capacity and first threshold, so the second reuses the first's compiled bucket-2 graphs.
+TINY_PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+TINY_RUN = dict(max_new_tokens=8, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return compiledllm.load_model("compiledllm/assets/tiny-llada2")
+
+
+def test_regional_compile_shares_one_graph_per_layer_kind(tiny):
     """compile: true compiles each layer kind once per bucket (plus the acceptance), not each of the layers:
     start-up time must not grow with depth. The built-in tiny LLaDA2 has a dense first layer and MoE layers."""
     from torch._dynamo.utils import counters
 
-    model = compiledllm.load_model("compiledllm/assets/tiny-llada2")
-    kinds = len({type(layer.mlp) for layer in model.layers})
-    assert len(model.layers) > kinds
+    kinds = len({type(layer.mlp) for layer in tiny.layers})
+    assert len(tiny.layers) > kinds
     torch._dynamo.reset()
     counters.clear()
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    pol = {"name": "threshold", "block_size": 32, "threshold": 0.9}
-    compiled = generate(model, prompts, pol, max_new_tokens=32, compile=True, batch_size=2)
+    pol = {"name": "threshold", "block_size": 4, "threshold": 0.5}
+    compiled = generate(tiny, TINY_PROMPTS, pol, compile=True, **TINY_RUN)
     buckets = 1  # without CUDA graphs the CPU engine runs one bucket: the batch size
     assert counters["stats"]["unique_graphs"] == (kinds + 1) * buckets
-    eager = generate(model, prompts, pol, max_new_tokens=32, compile=False, batch_size=2)
+    eager = generate(tiny, TINY_PROMPTS, pol, compile=False, **TINY_RUN)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
 
 
 @pytest.mark.slow
-def test_compiled_engines_of_several_policies_in_one_process():
+def test_compiled_engines_of_several_policies_in_one_process(tiny):
     """`eval` with compile: true builds one engine per policy in one process. The policy's settings are guarded
     values, so each engine adds its buckets' variants of the acceptance step: the recompile limit must make room
-    for them (from a limit of 1 here, as a long process would reach any fixed limit)."""
-    model = compiledllm.load_model("compiledllm/assets/tiny-llada2")
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    for them (from a limit of 1 here, as a long process would reach any fixed limit). Three engines: a room that is
+    set rather than added to (4 variants here) is then too small at the third."""
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
-        for tau in (0.5, 0.6, 0.7, 0.8):
+        for tau in (0.5, 0.6, 0.7):
             pol = {"name": "threshold", "block_size": 4, "threshold": tau}
-            runs = [Engine(model, pol, max_new_tokens=8, batch_size=2, compile=c, cuda_graphs=False,
-                           buckets=[1, 2]).generate(prompts) for c in (True, False)]
+            runs = [Engine(tiny, pol, compile=c, cuda_graphs=False, buckets=[1, 2], **TINY_RUN).generate(TINY_PROMPTS)
+                    for c in (True, False)]
             assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]]

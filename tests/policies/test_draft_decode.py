@@ -31,12 +31,13 @@ def test_draft_phase_changes_nothing_and_predicts_the_decode(model):
     assert engine.policy.mismatches and max(engine.policy.mismatches) == 0
 
 
-def test_two_phase_step_compiled_equals_eager_within_the_recompile_budget(model):
+def test_two_phase_step_compiled_equals_eager_within_the_recompile_budget(model, compile_kw):
     """Regional compile of a two-phase step: each layer kind compiles once per (bucket, phase shape), 2B and B
-    tokens here; the recompile budget makes room for both (from a limit of 1, as a long process would reach)."""
-    ps = [[5, 6, 7, 8, 9], [10, 11]]
+    tokens here; the recompile budget makes room for both (from a limit of 1, as a long process would reach).
+    The decode phase has the shapes of the other compile tests (conftest.compile_kw): their compiled layers serve."""
+    ps = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
     pol = {"name": "draft_decode", "block_size": 4, "threshold": 0.6}
-    kw = dict(max_new_tokens=8, batch_size=2, buckets=[2], cuda_graphs=False)
+    kw = dict(max_new_tokens=8, buckets=[4], **compile_kw)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1, accumulated_recompile_limit=1):
         runs = [Engine(model, EngineConfig(pol, compile=c, **kw)).generate(ps) for c in (True, False)]

@@ -181,11 +181,11 @@ def test_batch_invariance_and_the_lock_step_variant(ckpts):
     assert one.output_ids == alone[0].output_ids and one.steps == alone[0].steps  # alone it is flowblock
 
 
-def test_compiled_equals_eager_and_per_request_statistics(ckpts):
+def test_compiled_equals_eager_and_per_request_statistics(ckpts, compile_kw):
     model = compiledllm.load_model(ckpts["llada2", 52], eos_token_id=5)
-    ps = [prompt_of(i, 4 + 3 * i, model.config.vocab_size) for i in range(3)]
-    pol = policy(CASES[1])
-    kw = dict(max_new_tokens=12, batch_size=3, max_seq_len=40, cuda_graphs=False)
+    ps = [prompt_of(i, 4 + 3 * i, model.config.vocab_size) for i in range(4)]
+    pol = policy(CASES[1]) | {"window": 2}  # 8-token forwards, as test_draft_decode's draft phase: shared kernels
+    kw = dict(max_new_tokens=12, **compile_kw)
     eager = Engine(model, EngineConfig(pol, **kw)).generate(ps)
     compiled = Engine(model, EngineConfig(pol, compile=True, **kw)).generate(ps)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]

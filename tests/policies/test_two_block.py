@@ -106,11 +106,12 @@ def test_two_block_host_hook_sees_every_block_a_row_begins(ckpts):
     assert (starts[-1] - starts[0]) // block + 1 <= res.blocks <= (starts[-1] - starts[0]) // block + 2
 
 
-def test_two_block_compiled_equals_eager(ckpts):
+def test_two_block_compiled_equals_eager(ckpts, compile_kw):
     model = compiledllm.load_model(ckpts["sdar"], eos_token_id=0)
-    ps = prompts(model.config.vocab_size)[:3]
-    pol = {"name": "two_block", "block_size": 4, "threshold": 0.5}
-    kw = dict(max_new_tokens=9, batch_size=3, max_seq_len=32, cuda_graphs=False)
+    ps = prompts(model.config.vocab_size)[:4]
+    # blocks of 2: 4-token forwards, as the 4-token compiled sdar t2t of test_decoding.py (most kernels shared)
+    pol = {"name": "two_block", "block_size": 2, "threshold": 0.5}
+    kw = dict(max_new_tokens=9, **compile_kw)
     eager = Engine(model, EngineConfig(pol, **kw)).generate(ps)
     compiled = Engine(model, EngineConfig(pol, compile=True, **kw)).generate(ps)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
