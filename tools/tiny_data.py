@@ -69,6 +69,15 @@ def split(files: list[SourceFile], holdout: float) -> tuple[list[SourceFile], li
     return train, held
 
 
+def corpus_split(root: Path, max_files: int | None, holdout: float):
+    """(files, training files, held-out files) of the corpus under root; both splits must be non-empty."""
+    files = read_corpus(root, max_files)
+    train_files, held_files = split(files, holdout)
+    if not train_files or not held_files:
+        raise SystemExit(f"{root}: {len(train_files)} training and {len(held_files)} held-out files; need both")
+    return files, train_files, held_files
+
+
 def train_tokenizer(texts: list[str], vocab_size: int, digits: bool = False):
     """Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with <|endoftext|>, <|pad|>, <|mask|> first.
     digits: every digit is a token of its own (the arithmetic and retrieval tasks read numbers digit by digit)."""

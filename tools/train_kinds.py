@@ -595,10 +595,7 @@ def main(args, t0: float) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
 
     root = args.corpus or D.stdlib_root()
-    files = D.read_corpus(root, args.max_files)
-    train_files, held_files = D.split(files, args.holdout)
-    if not train_files or not held_files:
-        raise SystemExit(f"{root}: {len(train_files)} training and {len(held_files)} held-out files; need both")
+    files, train_files, held_files = D.corpus_split(root, args.max_files, args.holdout)
     log(f"{args.kind} ({args.preset}): corpus {root}: {len(files)} files, {len(train_files)} train / "
         f"{len(held_files)} held out")
     if resumed is not None:

@@ -624,10 +624,7 @@ def main(argv=None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
 
     root = args.corpus or D.stdlib_root()
-    files = D.read_corpus(root, args.max_files)
-    train_files, held_files = D.split(files, args.holdout)
-    if not train_files or not held_files:
-        raise SystemExit(f"{root}: {len(train_files)} training and {len(held_files)} held-out files; need both")
+    files, train_files, held_files = D.corpus_split(root, args.max_files, args.holdout)
     log(f"corpus {root}: {len(files)} files ({sum(len(f.text) for f in files) / 1e6:.1f} MB), "
         f"{len(train_files)} train / {len(held_files)} held out")
     tok = D.train_tokenizer([f.text for f in train_files], args.vocab)
