@@ -126,6 +126,9 @@ def run_point(model, config: EngineConfig, prompts: list[list[int]], arrivals: l
         "prefill_tokens_per_s": _rate(s.prefill_tokens, s.prefill_s),
         "decode_steps": s.decode_steps, "decode_s": s.decode_s,
         "decode_tokens_per_s": _rate(s.generated_tokens, s.decode_s),
+        "decode_step_ms": 1e3 * s.decode_s / max(s.decode_steps, 1),
+        "stalled_steps": s.stalled_steps, "stall_max_ms": 1e3 * s.stall_max_s,
+        "stall_mean_ms": 1e3 * s.stall_s / max(s.stalled_steps, 1),
         "output_tokens_per_s": _rate(s.generated_tokens, s.wall_s),
         "first_block_p50_s": statistics.median(r.first_block_s for r in results),
         **{f"latency_p{q}_s": percentile(lat, q) for q in (50, 90, 99)},
@@ -181,6 +184,9 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
     from compiledllm.threads import set_threads
 
     recipe = load_bench_recipe(path, overrides)
+    if recipe.parallel.data > 1:  # each process would measure a whole copy of the grid
+        raise UserError(f"parallel.data={recipe.parallel.data}: bench measures one engine replica; set "
+                        "parallel.data=1 (`run` spreads requests over replicas)")
     points = plan(settings, recipe)
     threads = set_threads(recipe.threads)
     model = load_from_spec(recipe.model)

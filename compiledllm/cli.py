@@ -435,6 +435,21 @@ def bench_table(report: dict) -> Table:
     return table
 
 
+def stall_table(report: dict) -> Table | None:
+    """Per point where decode steps waited for another request's prefill forward: how long (None: none did)."""
+    rows = [r for r in report["points"] if "error" not in r and r["stalled_steps"]]
+    if not rows:
+        return None
+    table = compact_table("decode steps that waited for a prefill forward (chunked prefill between steps)")
+    for col in ("prompt", "out", "batch", "step ms", "waited", "mean ms", "max ms"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(str(r["prompt_len"]), str(r["output_len"]), str(r["batch"]), f"{r['decode_step_ms']:.1f}",
+                      f"{r['stalled_steps']}/{r['decode_steps']}", f"{r['stall_mean_ms']:.1f}",
+                      f"{r['stall_max_ms']:.1f}")
+    return table
+
+
 @app.command()
 def bench(
     recipe: Path = typer.Argument(..., help="Recipe YAML file (model, policy, batch_size, compile, cuda_graphs, ...; "
@@ -502,6 +517,9 @@ def bench(
         if "error" in r:
             console.print(f"prompt {r['prompt_len']} · out {r['output_len']} · batch {r['batch_asked']}: "
                           f"{r['error']}", highlight=False, soft_wrap=True)
+    stalls = stall_table(report)
+    if stalls is not None:
+        console.print(stalls)
     console.print(Text(BENCH_LEGEND, style="dim"))
     for path, what in ((out, "report"), (plot, "chart")):
         if path is not None:

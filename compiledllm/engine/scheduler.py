@@ -32,6 +32,9 @@ class RunStats:
     decode_steps: int
     decode_s: float
     generated_tokens: int
+    stalled_steps: int = 0   # decode steps whose rows first waited for a prefill forward of another request
+    stall_s: float = 0.0     # the waiting, in total
+    stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
 
 
 @dataclass
@@ -54,7 +57,8 @@ class Scheduler:
     arrivals: list[float]
     on_result: Callable | None = None
     _counts: dict = field(default_factory=lambda: dict.fromkeys(
-        ("prefill_tokens", "prefill_forwards", "decode_steps", "prefill_s", "decode_s"), 0))
+        ("prefill_tokens", "prefill_forwards", "decode_steps", "prefill_s", "decode_s", "stalled_steps", "stall_s",
+         "stall_max_s"), 0))
 
     def loop(self) -> list:
         eng, st, policy = self.engine, self.st, self.engine.policy
@@ -78,7 +82,10 @@ class Scheduler:
             prefilling = [s for s, o in enumerate(owner) if o is not None and o.prefill.left > 0]
             decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
             if prefilling:
+                t = time.perf_counter()
                 ready += self._prefill(prefilling, owner, everyone=not decoding)
+                if decoding:  # those rows waited for this forward before their next step
+                    self._stalled(time.perf_counter() - t)
             if ready:
                 st.active[ready] = True
                 policy.on_blocks(host, ready)
@@ -136,8 +143,15 @@ class Scheduler:
         self._counts["prefill_s"] += time.perf_counter() - t
         return [s for s in prefilling if progress[s].left == 0]
 
+    def _stalled(self, wait: float) -> None:
+        c = self._counts
+        c["stalled_steps"] += 1
+        c["stall_s"] += wait
+        c["stall_max_s"] = max(c["stall_max_s"], wait)
+
     def stats(self) -> RunStats:
         c = self._counts
         generated = sum(len(r.output_ids) for r in self.results if r is not None)
         return RunStats(self.wall_s, self.engine.startup_s, c["prefill_tokens"], c["prefill_s"], c["prefill_forwards"],
-                        c["decode_steps"], c["decode_s"], generated)
+                        c["decode_steps"], c["decode_s"], generated, c["stalled_steps"], c["stall_s"],
+                        c["stall_max_s"])

@@ -26,7 +26,8 @@ MODEL = {"init": "random", "config": dict(TINY_LLADA2, num_hidden_layers=2, num_
 POLICY = {"name": "threshold", "block_size": 8, "threshold": 0.9}
 POINT_KEYS = {"prompt_len", "output_len", "batch_asked", "batch", "requests", "prompt_tokens", "generated_tokens",
               "wall_s", "startup_s", "prefill_tokens", "prefill_forwards", "prefill_s", "prefill_tokens_per_s",
-              "decode_steps", "decode_s", "decode_tokens_per_s", "output_tokens_per_s", "first_block_p50_s",
+              "decode_steps", "decode_s", "decode_tokens_per_s", "decode_step_ms", "stalled_steps", "stall_max_ms",
+              "stall_mean_ms", "output_tokens_per_s", "first_block_p50_s",
               "latency_p50_s", "latency_p90_s", "latency_p99_s", "peak_memory_bytes", "touched_experts",
               "touched_rows", "experts", "touched_uniform"}
 
@@ -69,7 +70,10 @@ def test_bench_grid_end_to_end(tmp_path):
     table = [ln for ln in res.output.splitlines() if ln.strip()]
     assert all(len(ln) <= 80 for ln in table), max(table, key=len)
     assert "…" not in res.output  # no column cut short
-    rows = [ln.split() for ln in table if ln.split()[:1] in (["24"], ["40"])]
+    # 3 requests on 2 slots: the third one's prefill runs while the other row decodes, and the table says so
+    assert any(p["stalled_steps"] for p in report["points"]) and "waited for a prefill forward" in res.output
+    assert all(0 <= p["stall_max_ms"] <= 1e3 * p["prefill_s"] for p in report["points"])
+    rows = [ln.split() for ln in table if ln.split()[:1] in (["24"], ["40"]) and len(ln.split()) == 13]
     assert [r[:3] for r in rows] == [[str(p["prompt_len"]), str(p["output_len"]), str(p["batch"])] for p in points]
 
 

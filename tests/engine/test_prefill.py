@@ -75,6 +75,15 @@ def test_prefill_interleaved_with_decoding_keeps_every_rows_tokens(sdar):
         assert r.arrival_s == a and 0 < r.first_block_s <= r.latency_s
     s = eng.stats
     assert s.decode_steps > 0 and s.prefill_s > 0 and s.generated_tokens == sum(len(r.output_ids) for r in res)
+    # the later requests' chunks made decoding rows wait: one forward per step at most, counted as such
+    assert 0 < s.stalled_steps <= s.prefill_forwards and 0 < s.stall_max_s <= s.stall_s <= s.prefill_s
+
+
+def test_prefill_of_requests_arriving_together_stalls_no_decode_step(sdar):
+    """Equal prompts all at once: every row is prefilled (a chunk each per loop) before any decodes."""
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=3, prefill_chunk=16, prefill_tokens=16))
+    eng.generate(prompts_of([40, 40, 40], sdar.config.vocab_size))
+    assert eng.stats.prefill_forwards >= 6 and eng.stats.stalled_steps == 0 and eng.stats.stall_s == 0
 
 
 def test_ignore_eos_decodes_every_request_to_its_length(sdar):
