@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      field_validator, model_validator)
+                      model_validator)
 
 from compiledllm.builtin import BUILTINS
 from compiledllm.errors import UserError
@@ -162,18 +162,12 @@ class PrefillSpec(_Strict):
 
 class ParallelSpec(_Strict):
     """Ranks one model is split over (compiledllm/parallel/): attention heads and dense MLPs over `tensor`, routed
-    experts over `expert`; the run needs tensor x expert processes (torchrun)."""
+    experts over `expert`; `data` engine replicas of that model share the requests (least loaded first). The run
+    needs data x tensor x expert processes (torchrun)."""
 
     tensor: int = Field(default=1, ge=1)
     expert: int = Field(default=1, ge=1)
     data: int = Field(default=1, ge=1)
-
-    @field_validator("data")
-    @classmethod
-    def _data(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError("data-parallel engine replicas are not built yet (use 1)")
-        return value
 
 
 class PromptSpec(_Strict):

@@ -13,7 +13,7 @@ from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.outputs import ResultSink, check_output
-from compiledllm.parallel import init_mesh, main_rank, shard_model
+from compiledllm.parallel import Mesh, generate_share, init_mesh, main_rank, replica_share, shard_model
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
 from compiledllm.threads import set_threads
@@ -93,10 +93,18 @@ def run_inputs(recipe: Recipe, recipe_path: Path | None = None) -> list[Path]:
 
 def prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine, float]:
     """(model, encoded prompts, engine, load seconds) of a recipe, every prompt checked against the engine (ids,
-    KV capacity) before any decoding; the run's CPU threads set first."""
+    KV capacity) before any decoding; the run's CPU threads set first. One engine (replica) runs every prompt."""
+    if recipe.parallel.data > 1:
+        raise UserError(f"parallel.data={recipe.parallel.data}: only `run` spreads requests over engine replicas; "
+                        "use parallel.data=1 here")
+    return _prepare(recipe)[:4]
+
+
+def _prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine, float, Mesh]:
     specs = recipe.load_prompts()  # a bad prompts file fails before the model is loaded
     set_threads(recipe.threads)
-    mesh = init_mesh(recipe.parallel.tensor, recipe.parallel.expert)  # one process unless parallel asks for more
+    p = recipe.parallel
+    mesh = init_mesh(p.tensor, p.expert, p.data)  # one process unless parallel asks for more
     t0 = time.perf_counter()
     model = load_from_spec(recipe.model)
     if mesh.world > 1:
@@ -106,7 +114,7 @@ def prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine, 
     engine = Engine.from_recipe(model, recipe)
     engine.validate(prompts)
     engine.capacity_for(prompts)
-    return model, prompts, engine, load_s
+    return model, prompts, engine, load_s, mesh
 
 
 def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
@@ -114,12 +122,15 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
             output: Path | None = None, inputs: list[Path] = ()) -> tuple[list[GenerationResult], Summary]:
     """Run a recipe. With `output`, results are written as each request ends to a temporary file that replaces
     `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
-    previous files as they were (outputs.py)."""
+    previous files as they were (outputs.py). With parallel.data > 1 each engine replica decodes its share of the
+    prompts and global rank 0 gets (and writes) every result; the other ranks return none."""
     if output is not None:
         check_output(output, [*inputs, *run_inputs(recipe)])
-    model, prompts, engine, load_s = prepare(recipe)
+    model, prompts, engine, load_s, mesh = _prepare(recipe)
+    if mesh.data > 1:
+        engine, mine = replica_share(engine, prompts, mesh)
     if not main_rank():
-        output = None  # every rank decodes the same tokens (parallel/); rank 0 writes them
+        output = None  # every rank of a replica decodes the same tokens (parallel/); rank 0 writes the run's
     if on_start is not None:
         on_start(len(prompts))
     sink = ResultSink(output) if output is not None else None
@@ -134,7 +145,10 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
 
     t1 = time.perf_counter()
     try:
-        results = engine.generate(prompts, on_result=record)
+        if mesh.data == 1:
+            results = engine.generate(prompts, on_result=record)
+        else:  # the wall time then includes waiting for the slowest replica
+            results = generate_share(engine, mine, prompts, mesh, on_result=record)
     except KeyboardInterrupt:
         kept = None
         if sink is not None:

@@ -132,12 +132,17 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
-                 arrivals: Sequence[float] | None = None) -> list[GenerationResult]:
+                 arrivals: Sequence[float] | None = None,
+                 request_ids: Sequence[int] | None = None) -> list[GenerationResult]:
         """Decode every prompt; results in prompt order. arrivals[i]: seconds after the start (once compiled and
-        captured) at which prompt i arrives (default: all at once)."""
+        captured) at which prompt i arrives (default: all at once). request_ids[i]: prompt i's id, its result's
+        index and its sampling key (default i): a share of a larger run decodes each request as the run would."""
         self.validate(prompts)
         prompts = [[int(t) for t in p] for p in prompts]
         arrivals = self._arrivals(arrivals, len(prompts))
+        self._ids = list(range(len(prompts))) if request_ids is None else [int(i) for i in request_ids]
+        if len(self._ids) != len(prompts):
+            raise UserError(f"request_ids: {len(self._ids)} ids for {len(prompts)} prompts")
         slots = min(self.config.batch_size, len(prompts))
         if self.static:  # run on exported bucket sizes only
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
@@ -178,7 +183,7 @@ class Engine:
         cached = 0 if self.model.bidirectional else start  # a bidirectional model caches nothing: no prefill
         st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, self.max_new_tokens, self.block), start
         st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
-        st.key[s] = request_key(self.policy.sampling.seed, index)  # the request's own noise: batch invariant
+        st.key[s] = request_key(self.policy.sampling.seed, self._ids[index])  # its own noise: batch invariant
         for v in st.policy.values():
             v[s] = 0
         return Progress(0, cached)
@@ -191,7 +196,7 @@ class Engine:
             out = out[: out.index(eos) + 1]
         tok = self.model.tokenizer
         blocks = (int(st.block_start[s]) - P // self.block * self.block) // self.block
-        return GenerationResult(index=index, prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
+        return GenerationResult(index=self._ids[index], prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
                                 blocks=blocks, text=tok.decode(out) if tok else None, extra=self.policy.report(st, s))
 
 

@@ -1,11 +1,12 @@
-"""Process groups for tensor x expert parallelism, from torchrun's environment or an explicit rank and world.
+"""Process groups for data x tensor x expert parallelism, from torchrun's environment or an explicit rank and world.
 
-Layout: rank = expert_rank * tensor + tensor_rank (tensor ranks adjacent, as Megatron orders them). Attention
-and dense MLPs are split over the `tensor` ranks of one expert rank (tensor_group); an MoE layer's routed experts
-over the `expert` ranks and each expert's inner dim over the tensor ranks, so its partial outputs sum over all
-tensor x expert ranks (model_group). Every rank runs the same requests (the engine is unchanged): the replicated
-parts (embedding, norms, router, head) stay bitwise equal across ranks because an all-reduce gives every rank the
-same sum."""
+Layout: rank = replica * (tensor * expert) + expert_rank * tensor + tensor_rank (tensor ranks adjacent, as Megatron
+orders them; each engine replica's ranks adjacent). Attention and dense MLPs are split over the `tensor` ranks of
+one expert rank (tensor_group); an MoE layer's routed experts over the `expert` ranks and each expert's inner dim
+over the tensor ranks, so its partial outputs sum over all tensor x expert ranks of the replica (model_group). The
+ranks of one replica run the same requests (the engine is unchanged): the replicated parts (embedding, norms,
+router, head) stay bitwise equal across them because an all-reduce gives every rank the same sum. The `data`
+replicas are independent engines, each decoding its share of the requests (data.py)."""
 from __future__ import annotations
 
 import os
@@ -21,12 +22,15 @@ from compiledllm.errors import UserError
 class Mesh:
     tensor: int
     expert: int
-    rank: int
+    rank: int  # within this rank's replica (its model-local rank)
     tensor_group: dist.ProcessGroup | None  # None when tensor == 1 (nothing to sum)
-    model_group: dist.ProcessGroup | None   # None in one process
+    model_group: dist.ProcessGroup | None   # the replica's ranks; None when it is one process
+    data: int = 1
+    replica: int = 0  # this rank's engine replica
 
     @property
     def world(self) -> int:
+        """Ranks one model is split over (one replica)."""
         return self.tensor * self.expert
 
     @property
@@ -37,6 +41,11 @@ class Mesh:
     def expert_rank(self) -> int:
         return self.rank // self.tensor
 
+    @property
+    def leader(self) -> bool:
+        """Whether this rank reports its replica's results (model-local rank 0: the others decoded the same)."""
+        return self.rank == 0
+
 
 SINGLE = Mesh(1, 1, 0, None, None)
 
@@ -46,8 +55,8 @@ def main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def check_sizes(tensor, expert) -> None:
-    for key, n in (("tensor", tensor), ("expert", expert)):
+def check_sizes(tensor, expert, data=1) -> None:
+    for key, n in (("tensor", tensor), ("expert", expert), ("data", data)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"parallel.{key}: an integer >= 1, got {n!r}")
 
@@ -62,36 +71,50 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def init_mesh(tensor: int = 1, expert: int = 1, *, rank: int | None = None, world_size: int | None = None,
-              init_method: str | None = None, backend: str | None = None) -> Mesh:
+def _own_group(blocks: list[list[int]], me: int) -> dist.ProcessGroup:
+    """The group of the block (blocks partition the world) holding rank `me`; one block is the world itself.
+    new_group is collective: every rank creates every group, in the same order, and keeps its own."""
+    if len(blocks) == 1:
+        return dist.group.WORLD
+    own = None
+    for block in blocks:
+        group = dist.new_group(block)
+        if me in block:
+            own = group
+    return own
+
+
+def init_mesh(tensor: int = 1, expert: int = 1, data: int = 1, *, rank: int | None = None,
+              world_size: int | None = None, init_method: str | None = None, backend: str | None = None) -> Mesh:
     """The Mesh of this process. Starts torch.distributed if it is not running: from torchrun's RANK /
     WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or the given rank, world_size and init_method (e.g.
-    tcp://127.0.0.1:PORT); backend default: nccl where CUDA is, else gloo. The world must be tensor x expert ranks.
-    Every rank must call this with the same sizes (it creates the tensor groups collectively)."""
-    check_sizes(tensor, expert)
-    if tensor * expert == 1 and not dist.is_initialized():
+    tcp://127.0.0.1:PORT); backend default: nccl where CUDA is, else gloo (one GPU per rank: LOCAL_RANK's). The
+    world must be data x tensor x expert ranks. Every rank must call this with the same sizes (it creates the
+    groups collectively)."""
+    check_sizes(tensor, expert, data)
+    split, need = tensor * expert, data * tensor * expert
+    sizes = f"data {data} x tensor {tensor} x expert {expert}"
+    if need == 1 and not dist.is_initialized():
         return SINGLE
     if not dist.is_initialized():
         rank = _env_int("RANK") if rank is None else rank
         world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
         if rank is None or world_size is None:
-            raise UserError(f"parallel: tensor {tensor} x expert {expert} needs {tensor * expert} processes; start "
-                            f"them with torchrun --nproc-per-node {tensor * expert} (RANK / WORLD_SIZE are unset)")
+            raise UserError(f"parallel: {sizes} needs {need} processes; start them with torchrun "
+                            f"--nproc-per-node {need} (RANK / WORLD_SIZE are unset)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)  # "cuda" then means this rank's GPU
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
     world = dist.get_world_size()
-    if world != tensor * expert:
-        raise UserError(f"parallel: tensor {tensor} x expert {expert} = {tensor * expert} ranks, but {world} "
-                        "processes run")
+    if world != need:
+        raise UserError(f"parallel: {sizes} = {need} ranks, but {world} processes run")
     me = dist.get_rank()
+    replica = me // split
+    model_group = _own_group([list(range(d * split, (d + 1) * split)) for d in range(data)], me) if split > 1 else None
     tensor_group = None
     if tensor > 1 and expert == 1:
-        tensor_group = dist.group.WORLD
+        tensor_group = model_group  # the replica's ranks are its tensor ranks
     elif tensor > 1:
-        for e in range(expert):  # new_group is collective: every rank creates every group, keeps its own
-            group = dist.new_group([e * tensor + t for t in range(tensor)])
-            if me // tensor == e:
-                tensor_group = group
-    return Mesh(tensor, expert, me, tensor_group, dist.group.WORLD if world > 1 else None)
+        tensor_group = _own_group([list(range(b, b + tensor)) for b in range(0, world, tensor)], me)
+    return Mesh(tensor, expert, me % split, tensor_group, model_group, data, replica)

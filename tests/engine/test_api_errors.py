@@ -63,3 +63,18 @@ def test_numpy_and_tuple_ids_are_ints(model):
     want = generate(model, [[3, 4, 5]], POL, max_new_tokens=4)[0].output_ids
     got = Engine(model, EngineConfig(POL, max_new_tokens=4)).generate([tuple(np.array([3, 4, 5]))])[0]
     assert got.output_ids == want and got.prompt_ids == [3, 4, 5]
+
+
+def test_request_ids_key_a_share_of_a_run_as_the_run_would():
+    """Sampled decoding: prompts 1 and 3 of a run, given alone with their run ids, decode the run's tokens."""
+    model = compiledllm.load_model("tiny-llada2-random")
+    pol = {**POL, "temperature": 10.0, "seed": 5}  # hot enough that a request's key shows in its tokens
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+    run = Engine(model, EngineConfig(pol, max_new_tokens=8, max_seq_len=32)).generate(prompts)
+    eng = Engine(model, EngineConfig(pol, max_new_tokens=8, max_seq_len=32))
+    share = eng.generate([prompts[1], prompts[3]], request_ids=[1, 3])
+    assert [r.index for r in share] == [1, 3]
+    assert [r.output_ids for r in share] == [run[1].output_ids, run[3].output_ids]
+    assert eng.generate([prompts[1]])[0].output_ids != run[1].output_ids  # without its id: request 0's noise
+    with pytest.raises(UserError, match="request_ids: 1 ids for 2 prompts"):
+        eng.generate([prompts[1], prompts[3]], request_ids=[1])

@@ -54,3 +54,40 @@ def worker(rank: int, port: int, root: str) -> None:
         out["world_error"] = str(e)
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+# data-parallel cases: (checkpoint folder, parallel section, policy); every case's world is the spawn's
+DP_CASES = {
+    2: {"sdar_dp2": ("sdar", {"data": 2}, POLICY),
+        "llada2_dp2_sampled": ("llada2", {"data": 2}, {**POLICY, "temperature": 1.0, "seed": 3})},
+    4: {"sdar_dp2_tp2": ("sdar", {"data": 2, "tensor": 2}, POLICY),
+        "llada2_dp2_ep2": ("llada2", {"data": 2, "expert": 2}, {**POLICY, "temperature": 1.0, "seed": 3})},
+}
+# uneven lengths: costs (+ MAX_NEW) 17, 10, 11, 22, 13 -> least loaded [0, 1, 1, 0, 1], round robin [0, 1, 0, 1, 0]
+DP_PROMPTS = [list(range(3, 12)), [12, 13], [20, 21, 22], list(range(30, 44)), [50, 51, 52, 53, 54]]
+
+
+def dp_recipe(root: str, case: str, world: int) -> dict:
+    arch, parallel, policy = DP_CASES[world][case]
+    return {"model": {"path": str(Path(root) / arch)}, "policy": policy, "parallel": parallel, "batch_size": 2,
+            "generation": {"max_new_tokens": MAX_NEW}, "prompts": [{"ids": p} for p in DP_PROMPTS]}
+
+
+def dp_worker(rank: int, port: int, root: str, world: int) -> None:
+    """Each case through runner.execute, as `compiledllm run` under torchrun does it; rank 0 writes the output file.
+    rank{r}.dp.json: per case, the results execute returned, the summary's counts and on_result's indices."""
+    from compiledllm.recipe import load_recipe
+    from compiledllm.runner import execute
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    out: dict = {}
+    for case in DP_CASES[world]:
+        seen: list[int] = []
+        results, summary = execute(load_recipe(dp_recipe(root, case, world)), on_result=lambda r: seen.append(r.index),
+                                   output=Path(root) / f"{case}.jsonl")
+        out[case] = {"results": [[r.index, r.output_ids, r.steps] for r in results], "seen": seen,
+                     "summary": [summary.prompts, summary.tokens, summary.forwards]}
+    (Path(root) / f"rank{rank}.dp.json").write_text(json.dumps(out))
+    dist.destroy_process_group()

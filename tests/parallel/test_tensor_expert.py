@@ -64,7 +64,7 @@ def test_ranks_hold_their_share(run):
 def test_world_must_be_tensor_times_expert(run):
     _, ranks = run
     msg = ranks[0]["world_error"]
-    assert "tensor 2 x expert 2 = 4 ranks, but 2 processes run" in msg and "\n" not in msg
+    assert "data 1 x tensor 2 x expert 2 = 4 ranks, but 2 processes run" in msg and "\n" not in msg
 
 
 def _config(arch: str, **overrides) -> ModelConfig:
@@ -89,8 +89,7 @@ def test_sizes_that_do_not_divide_are_one_line_errors(arch, overrides, tensor, e
 def test_recipe_parallel_section():
     base = {"model": {"path": "tiny-llada2"}, "prompts": [{"text": "hi"}]}
     assert load_recipe({**base, "parallel": {"tensor": 2, "expert": 2}}).parallel.tensor == 2
-    with pytest.raises(UserError, match=r"parallel\.data: data-parallel engine replicas are not built yet"):
-        load_recipe({**base, "parallel": {"data": 2}})
+    assert load_recipe({**base, "parallel": {"data": 2}}).parallel.data == 2  # replicas: test_data_parallel.py
     with pytest.raises(UserError, match=r"parallel\.tensor: .*greater than or equal to 1"):
         load_recipe({**base, "parallel": {"tensor": 0}})
 
