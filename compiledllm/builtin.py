@@ -13,6 +13,9 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 # A shipped built-in is a checkpoint directory inside the package (see its README.md model card).
 BUILTINS = {
     "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train_tiny.py
+    # issue 15's yardsticks, trained on the stdlib mixed with generated exact-answer tasks (tools/synth_tasks.py):
+    "tiny-llada2.1": {"path": ASSETS / "tiny-llada2.1"},  # LLaDA2 MoE, block diffusion + T2T editing, 8K context
+    "tiny-llada": {"path": ASSETS / "tiny-llada"},  # LLaDA (bidirectional MHA), masked diffusion, 2K context
     "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0, "routing": "random"},  # its weights as ever
 }
 

@@ -61,27 +61,67 @@ def _curriculum(mix: dict) -> str:
             f"{mix.get('lookup_start') or mix['lookup_len'][1]} to {mix['lookup_len'][1]} tokens.\n")
 
 
-def targets_table(results: dict) -> list[str]:
-    tasks = results.get("tasks", {})
-    lines = ["| target (issue 15) | measured | met |", "|---|---:|:---:|"]
+def _context(c: dict) -> int:
+    return c.get("max_position_embeddings") or c["max_sequence_length"]
+
+
+def target_rows(results: dict) -> list[tuple[str, str, str]]:
+    """Issue 15's targets as (target, measured, met) rows: met is "yes", "no" or "-" (not measured)."""
+    tasks, bd = results.get("tasks", {}), results["args"]["objective"]["kind"] == "bd"
+    if not tasks:
+        return []
+    rows = []
     for f, metric, policy, goal in TARGETS:
+        what = f"`{f}` {metric.replace('_', ' ')} at `{policy}` >= {goal}"
         p = tasks.get(f, {}).get("policies", {}).get(policy)
-        if p is None:
+        if p is None:  # retrieval_4k / 8k are not in a 2K-context model's task plan; a file the deadline skipped
+            why = (tasks[f].get("skipped") or tasks[f].get("error") or "not evaluated") if f in tasks else \
+                f"not in the task plan: context {_context(results['config'])} tokens"
+            rows.append((what, f"not run ({why})", "-"))
             continue
-        v = p[metric]
-        lines.append(f"| `{f}` {metric.replace('_', ' ')} at `{policy}` >= {goal} | {v:.3f} | {'yes' if v >= goal else 'no'} |")
+        rows.append((what, f"{p[metric]:.3f}", "yes" if p[metric] >= goal else "no"))
     edits = [r["policies"]["t2t"] for r in tasks.values() if "edit_blocks" in r.get("policies", {}).get("t2t", {})]
     if edits:  # compiledllm/evaluate.py's edit statistics, summed over the task files
         blocks, edit_blocks = sum(p["blocks"] for p in edits), sum(p["edit_blocks"] for p in edits)
         judged, fixes = sum(p["edited_tokens"] for p in edits), sum(p["edit_fixes"] for p in edits)
         share, fix = edit_blocks / max(blocks, 1), fixes / judged if judged else 0.0
-        lines += [f"| `t2t` edits in >= 5 % of blocks (all task files) | {share:.3f} | {'yes' if share >= 0.05 else 'no'} |",
-                  f"| most `t2t` edits fix an error (fixes / edited tokens) | {fix:.3f} ({judged} judged) | "
-                  f"{'yes' if fix > 0.5 else 'no'} |"]
+        untrained = "" if bd else " (this model was not trained to edit)"
+        rows += [(f"`t2t` edits in >= 5 % of blocks (all task files){untrained}", f"{share:.3f}",
+                  "yes" if share >= 0.05 else "no"),
+                 (f"most `t2t` edits fix an error (fixes / edited tokens){untrained}", f"{fix:.3f} ({judged} judged)",
+                  "yes" if fix > 0.5 else "no")]
     for f, a in results.get("needle_ablation", {}).items():
-        lines.append(f"| `{f}` with the needle hidden falls to chance (one-forward EM) | {a['exact_match_full']:.3f} -> "
-                     f"{a['exact_match_needle_hidden']:.3f} | {'yes' if a['exact_match_needle_hidden'] <= 0.05 else 'no'} |")
-    return lines if len(lines) > 2 else []
+        full, hidden = a["exact_match_full"], a["exact_match_needle_hidden"]
+        # falling to chance proves the model reads the needle only if it answered with the needle in the first place
+        met = "yes" if hidden <= 0.05 and full >= 0.5 else "no"
+        note = " (at chance with the needle too: nothing shown)" if full < 0.5 else ""
+        rows.append((f"`{f}` with the needle hidden falls to chance (one-forward EM)", f"{full:.3f} -> {hidden:.3f}{note}",
+                     met))
+    return rows
+
+
+def targets_table(results: dict) -> list[str]:
+    rows = target_rows(results)
+    lines = ["| target (issue 15) | measured | met |", "|---|---:|:---:|"] + [f"| {t} | {m} | {ok} |" for t, m, ok in rows]
+    return lines if rows else []
+
+
+def shortfall(results: dict) -> str:
+    """The targets missed or not measured, and where training stopped (the facts the run itself knows)."""
+    rows = [r for r in target_rows(results) if r[2] != "yes"]
+    t, a = results["training"], results["args"]
+    final_lr = t.get("final", {}).get("lr")
+    stop = f"Training ran {t['steps']} steps in {t['wall_s']:.0f} s on one {results['device_name']}"
+    if t["stopped_by"] == "wall clock" and final_lr is not None and final_lr >= a["lr"] * 0.999:
+        stop += (", stopped by the wall clock before its learning-rate decay began (the final lr was the peak, "
+                 f"{a['lr']}): the step count planned from the first steps' time did not fit")
+    else:
+        stop += f", stopped by {t['stopped_by']}"
+        if t["stopped_by"] == "steps":
+            stop += " at the end of its learning-rate decay"
+    if not rows:
+        return f"Every target above is met. {stop}.\n"
+    return ("Missed or not measured:\n" + "\n".join(f"* {w}: {m}" for w, m, _ in rows) + f"\n\n{stop}.\n")
 
 
 def _cell(r: dict, label: str, key: str, fmt: str = "{:.2f}") -> str:
@@ -139,6 +179,16 @@ def model_card(results: dict) -> str:
     calls = t.get("calls", [])
     call_note = (f" over {len(calls)} device calls (resumed with `--resume`)" if len(calls) > 1 else "")
     targets = targets_table(results)
+    nl = "\n"
+    targets_md = f"## Targets{nl}{nl.join(targets)}{nl}{nl}## Shortfall{nl}{shortfall(results)}" if targets else ""
+    moe = "num_experts" in c
+    balancing = f"expert-bias balancing {a['bias_rate']} per step; " if moe else ""
+    forwarded = (f" ({t['tokens_forwarded']:,} forwarded with the clean copies)"
+                 if t["tokens_forwarded"] != t["tokens_seen"] else "")
+    news = sorted(r["max_new_tokens"] for r in results.get("tasks", {}).values() if "max_new_tokens" in r)
+    new_range = f", {news[0]}-{news[-1]} here" if news else ""
+    repro = (f" (a wall-clock stop: `--steps {t['steps']}` runs as many steps but decays the learning rate over their "
+             "last part, so it is not this run's schedule)" if t["stopped_by"] == "wall clock" else "")
     return f"""# {kind}
 
 A small {'block' if kind == 'tiny-llada2.1' else 'masked'}-diffusion language model trained from scratch by
@@ -171,19 +221,21 @@ construction.
 
 ## Training
 AdamW (betas 0.9/0.95, weight decay {a['weight_decay']}), peak lr {a['lr']}, {a['warmup']}-step warm-up, linear decay
-to {a['min_lr_frac']}x over the last {a['decay_frac']:.0%} of the planned steps; bf16 autocast on CUDA; expert-bias
-balancing {a['bias_rate']} per step; seed {results['args']['seed']}. {t['steps']} steps (stopped by {t['stopped_by']}),
-{t['tokens_seen']:,} window tokens seen ({t['tokens_forwarded']:,} forwarded with the clean copies), {t['wall_s']:.0f} s of
-training on {results['device_name']}{call_note} (whole run {results['run_wall_s']:.0f} s including tokenizer, tasks and
-evaluation). Final training loss {t['final'].get('loss', float('nan')):.3f}, masked-token loss
+to {a['min_lr_frac']}x over the last {a['decay_frac']:.0%} of the planned steps; bf16 autocast on CUDA;
+{balancing}seed {results['args']['seed']}. {t['steps']} steps (stopped by {t['stopped_by']}),
+{t['tokens_seen']:,} window tokens seen{forwarded}, {t['wall_s']:.0f} s of
+training on {results['device_name']} with torch {results['torch']}{call_note} (whole run {results['run_wall_s']:.0f} s
+including tokenizer, tasks and evaluation). Final training loss {t['final'].get('loss', float('nan')):.3f}, masked-token loss
 {t['final'].get('masked_loss', float('nan')):.3f}; held-out masked loss {t['final'].get('held_masked_loss', float('nan')):.3f}.
-Loss curve: `loss_curve.png` of the run. Reproduce: `{results['command']}`.
+Loss curve: `loss_curve.png` of the run. Reproduce: `{results['command']}`{repro}.
 
 ## Held-out metrics
 {T.metrics_tables(results)}
-{('## Targets' + chr(10) + chr(10).join(targets) + chr(10)) if targets else ''}
+{targets_md}
 ## Limitations
 * A {results['parameters'] / 1e6:.0f}M-parameter model trained for minutes: its Python is plausible at best, and it
   knows the generated task formats only as they were generated (`tools/synth_tasks.py`); other phrasings fail.
 * One-forward needle ablation is a diagnostic of whether the answer comes from the needle, not the engine's decode.
+* tokens/forward counts the reference's tokens (a task file's `max_new_tokens`{new_range}) per forward, while the decode
+  fills whole 32-token blocks: below 1 on the short-answer files does not mean less than one commit per forward.
 """
