@@ -151,3 +151,41 @@ def test_peer_normalisation_is_the_stated_bandwidth_ratio():
         assert p["source"], p
     for p in peers["peers"]:
         assert p["gpu"] in peers["hbm_tb_per_s"] and all(pt["tokens_per_s"] > 0 for pt in p["points"])
+
+
+def test_e2e_ideal_rows_of_the_recorded_bench_reports(tmp_path):
+    """The results page's ideal / share columns come from the recorded reports by tools/e2e_ideal.py."""
+    import json
+
+    import e2e_ideal
+
+    res = Path(__file__).resolve().parents[2] / "docs" / "results"
+    rows = e2e_ideal.main(["--ceilings", str(res / "bench_e2e_ceilings_h200_s10.json"), "--decode",
+                           str(res / "bench_decode_llada2_mini_16k_h200.json"), str(res / "bench_decode_balanced_h200.json"),
+                           "--out", str(tmp_path / "r.json"),
+                           "--", str(res / "bench_e2e_llada2_mini_32k512_h200.json")])
+    assert [r["batch"] for r in rows] == [1, 8, 32, 73]
+    for r in rows:  # the ideal is faster than the run, and its parts are below the measured parts
+        assert r["prefill_roofline_s"] < r["prefill_s"] and r["step_roofline_ms"] < r["engine_step_ms"]
+        assert 0 < r["share"] < 1 and r["ideal_tokens_per_s"] > r["output_tokens_per_s"]
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+    recorded = json.loads((res / "bench_e2e_ideal_h200_s10.json").read_text())["rows"]
+    assert [r for r in recorded if r["prompt"] == 32000 and r["model"] == "llada2.0-mini"] == rows
+
+
+def test_bench_interleave_on_a_tiny_model(tmp_path):
+    import json
+
+    import bench_interleave
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {init: random, config: tiny-random-llada2, dtype: float32, device: cpu}\n"
+                      "policy: {name: threshold, block_size: 8, threshold: 1.0, steps: 4}\n"
+                      "prompts: [{ids: [1]}]\nbatch_size: 2\n")
+    report = bench_interleave.main(["--recipe", str(recipe), "--prompt-len", "40", "--output-len", "8", "--batch",
+                                    "2", "--requests", "4", "--rate", "100", "--configs", "8:8,16:32",
+                                    "--out", str(tmp_path / "i.json")])
+    assert [(p["chunk"], p["tokens"]) for p in report["points"]] == [(8, 8), (16, 32)]
+    for p in report["points"]:  # 4 requests on 2 slots: later ones prefill while rows decode
+        assert p["stalled_steps"] > 0 and 0 < p["stall_max_ms"] and p["first_block_p50_s"] <= p["latency_p50_s"]
+    assert json.loads((tmp_path / "i.json").read_text()) == report
