@@ -127,8 +127,11 @@ class MoE(nn.Module):
         if c.n_group > 1:
             grouped = biased.view(-1, c.n_group, c.num_experts // c.n_group)
             group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, 1.0)
-            biased = (grouped * keep[..., None]).view_as(biased)  # dropped groups score 0.0
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, True)
+            # dropped groups' experts can never be picked, as in the published LLaDA2MoeGate.group_limited_topk
+            # (-inf; a 0.0 fill would beat kept experts whose biased score is negative)
+            biased = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(biased)
         ids = biased.topk(c.top_k, dim=-1).indices
         w = scores.gather(1, ids)
         if c.norm_topk_prob and c.top_k > 1:

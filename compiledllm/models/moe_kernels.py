@@ -137,7 +137,7 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
             _, best = first_max(tl.where(keep > 0, float("-inf"), gscore), g, GROUPS)
             keep = tl.where(g == best, 1, keep)
         kept = tl.reshape(tl.broadcast_to(keep[:, None], (GROUPS, E // GROUPS)), (E,))
-        biased = tl.where(kept > 0, biased, 0.0)  # dropped groups score 0.0, as the torch path
+        biased = tl.where(kept > 0, biased, float("-inf"))  # dropped groups never picked, as the torch path
     # the picks stay in registers (rank per expert): re-reading ids_ptr here could see another thread's
     # store not yet visible (no barrier between a program's global stores and loads)
     rank = tl.full((E,), -1, dtype=tl.int32)

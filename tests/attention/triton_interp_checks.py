@@ -73,13 +73,14 @@ def routing() -> None:
         moe = MoE(32, cfg)
         with torch.no_grad():
             moe.gate.normal_()
-            moe.expert_bias.normal_(std=0.1)
             x = torch.randn(40, 32)
-            ids, w = moe.route(x)  # torch routing (no CUDA)
-            fused_ids, fused_w = torch.ops.compiledllm.moe_route(x @ moe.gate.t(), moe.expert_bias, G, TG, K, True,
-                                                                 2.5)
-        assert torch.equal(fused_ids, ids), (E, G, TG, K)
-        torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
+            for shift in (0.0, -0.8):  # -0.8: most biased scores negative (the dropped groups' fill matters)
+                moe.expert_bias.normal_(std=0.1).add_(shift)
+                ids, w = moe.route(x)  # torch routing (no CUDA)
+                fused_ids, fused_w = torch.ops.compiledllm.moe_route(x @ moe.gate.t(), moe.expert_bias, G, TG, K,
+                                                                     True, 2.5)
+                assert torch.equal(fused_ids, ids), (E, G, TG, K, shift)
+                torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
 
 
 def confidence_kernel() -> None:
