@@ -178,6 +178,7 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               on_point: Callable[[dict], None] | None = None) -> dict:
     """Every point of the grid for the recipe at `path`; the report (settings, device, points) that --out writes.
     on_point gets the report so far after each point (the CLI writes it then: a run cut short keeps its points)."""
+    from compiledllm.parallel.group import check_one_process
     from compiledllm.policies import policy_name
     from compiledllm.recipe import resolved_policy
     from compiledllm.runner import load_from_spec
@@ -187,6 +188,7 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
     if recipe.parallel.data > 1:  # each process would measure a whole copy of the grid
         raise UserError(f"parallel.data={recipe.parallel.data}: bench measures one engine replica; set "
                         "parallel.data=1 (`run` spreads requests over replicas)")
+    check_one_process(recipe.parallel.tensor, recipe.parallel.expert, 1, "bench")  # not time an unsplit one
     points = plan(settings, recipe)
     threads = set_threads(recipe.threads)
     model = load_from_spec(recipe.model)

@@ -21,6 +21,7 @@ from compiledllm.engine import Engine, EngineConfig, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import load_model
 from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.parallel.group import check_one_process
 from compiledllm.policies import PolicyConfig
 from compiledllm.policies.sampling import Sampling
 from compiledllm.recipe import ModelSpec, Recipe, first_error, load_recipe
@@ -108,6 +109,8 @@ class LLM:
                                                                             SamplingParams.max_new_tokens)
         self.config: EngineConfig = replace(base, **settings)
         if recipe is not None:
+            p = recipe.parallel
+            check_one_process(p.tensor, p.expert, p.data, "LLM")  # one engine here; a split is never ignored
             self.name = recipe.model.name
             self.model = load_from_spec(_model_spec(recipe.model, load))
         elif isinstance(model, BlockDiffusionLM):

@@ -11,9 +11,11 @@ one-line UserError naming the file, key or value."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -23,6 +25,9 @@ from compiledllm.models import (KNOWN_ARCHITECTURES, BlockDiffusionLM, architect
                                 resolve_architecture)
 from compiledllm.models.config import InvalidConfig, ModelConfig, read_json, show
 from compiledllm.tokenizer import TextTokenizer, one_line
+
+if TYPE_CHECKING:
+    from compiledllm.parallel.group import Mesh
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters save; recomputed here
@@ -238,24 +243,108 @@ def check_tensors(config: ModelConfig, files: list[Path], source: str) -> None:
         raise UserError(f"{files[0].parent}: checkpoint lacks tensors the model needs: {', '.join(missing[:3])}{more}")
 
 
-def load_weights(model: BlockDiffusionLM, files: list[Path], allow_nonfinite: bool = False) -> None:
+def load_weights(model: BlockDiffusionLM, files: list[Path], allow_nonfinite: bool = False) -> int:
     """Copy every checkpoint tensor into its parameter, one tensor at a time (check_tensors has run); values must
-    be finite floats (allow_nonfinite: one warning counting the tensors that are not)."""
+    be finite floats (allow_nonfinite: one warning counting the tensors that are not). Returns the bytes read."""
     targets = model.hf_weight_map()
-    nonfinite = 0
+    nonfinite = read = 0
     for file in files:
         with open_safetensors(file) as f:
             for name in f.keys():
                 if name in targets:
-                    nonfinite += copy_tensor(targets[name], f.get_tensor(name), name, file, allow_nonfinite)
+                    tensor = f.get_tensor(name)
+                    read += tensor.numel() * tensor.element_size()
+                    nonfinite += copy_tensor(targets[name], tensor, name, file, allow_nonfinite)
+    warn_nonfinite(files, nonfinite, stacklevel=5)  # load_model's caller
+    return read
+
+
+def warn_nonfinite(files: list[Path], nonfinite: int, stacklevel: int) -> None:
     if nonfinite:
         warnings.warn(f"{files[0].parent}: {nonfinite} tensors hold NaN/inf values (loaded: allow_nonfinite=True)",
-                      stacklevel=3)
+                      stacklevel=stacklevel)
+
+
+def view_regions(model: BlockDiffusionLM) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Checkpoint tensor name -> where hf_weight_map's view of it lies in its weight: (the weight's name in the
+    model, its indices along the weight's leading dims, the view's first index along the next dim); the view spans
+    the weight's remaining dims whole (a fused weight's row block, or one expert of a stacked weight)."""
+    weights = itertools.chain(model.named_parameters(), model.named_buffers())
+    owners = {t.untyped_storage()._cdata: (n, t) for n, t in weights}  # a view shares its weight's storage
+    out = {}
+    for ckpt, view in model.hf_weight_map().items():
+        name, w = owners[view.untyped_storage()._cdata]
+        lead = w.dim() - view.dim()
+        offset, index = view.storage_offset() - w.storage_offset(), []
+        for stride in w.stride()[:lead + 1]:
+            index.append(offset // stride)
+            offset %= stride
+        assert w.is_contiguous() and offset == 0 and view.stride() == w.stride()[lead:] and \
+            view.shape[1:] == w.shape[lead + 1:], f"{ckpt}: a view this loader cannot place"
+        out[ckpt] = (name, tuple(index[:lead]), index[lead])
+    return out
+
+
+def _position(kept: tuple[range, ...], i: int) -> int | None:
+    """Where full index i lies in a rank's weight whose dim holds the ranges `kept`; None if it is not held."""
+    pos = 0
+    for r in kept:
+        if i in r:
+            return pos + i - r.start
+        pos += len(r)
+    return None
+
+
+def slice_pieces(ranges: tuple[tuple[range, ...], ...], lead: tuple[int, ...], start: int,
+                 shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], tuple]]:
+    """(index into the checkpoint tensor, index into the rank's weight) of each contiguous piece this rank holds of
+    a checkpoint tensor of `shape` at `lead` / `start` in its full weight (view_regions), the weight's held
+    `ranges` per dim (parallel.shard.held); [] when it holds none of it (another expert rank's expert)."""
+    dest = [_position(kept, i) for kept, i in zip(ranges, lead)]
+    if None in dest:
+        return []
+    per_dim = []
+    for j, n in enumerate(shape):
+        first, options, pos = start if j == 0 else 0, [], 0
+        for r in ranges[len(lead) + j]:
+            lo, hi = max(r.start, first), min(r.stop, first + n)
+            if lo < hi:
+                options.append((slice(lo - first, hi - first), slice(pos + lo - r.start, pos + hi - r.start)))
+            pos += len(r)
+        per_dim.append(options)
+    return [(tuple(s for s, _ in pick), (*dest, *(d for _, d in pick))) for pick in itertools.product(*per_dim)]
+
+
+def load_weight_slices(model: BlockDiffusionLM, files: list[Path], regions: dict, allow_nonfinite: bool = False) -> int:
+    """Copy this rank's pieces of the checkpoint tensors into the rank's `model`, reading only their bytes
+    (safetensors get_slice; check_tensors has run on the full config); regions: checkpoint name -> (weight name,
+    lead, start, held ranges). A tensor this rank holds nothing of is not read (the rank that holds it checks it);
+    the pieces read are checked as load_weights checks whole tensors. Returns the bytes read."""
+    targets = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    nonfinite, read = set(), 0
+    for file in files:
+        with open_safetensors(file) as f:
+            for name in f.keys():
+                if name not in regions:
+                    continue  # IGNORED_SUFFIXES
+                weight, lead, start, ranges = regions[name]
+                part = f.get_slice(name)
+                for src, dst in slice_pieces(ranges, lead, start, tuple(part.get_shape())):
+                    piece = part[src]
+                    read += piece.numel() * piece.element_size()
+                    if copy_tensor(targets[weight][dst], piece, name, file, allow_nonfinite):
+                        nonfinite.add(name)
+    warn_nonfinite(files, len(nonfinite), stacklevel=6)  # load_model's caller
+    return read
 
 
 def materialize(config: ModelConfig, device, dtype: torch.dtype) -> BlockDiffusionLM:
     """Build the model without initialising weights (they are loaded or initialised next)."""
-    model = skeleton(config, dtype)
+    return place(skeleton(config, dtype), device, dtype)
+
+
+def place(model: BlockDiffusionLM, device, dtype: torch.dtype) -> BlockDiffusionLM:
+    """A meta-device model's memory on `device`, its buffers recomputed, ready for its weights."""
     try:
         model = model.to_empty(device=device)
     except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
@@ -327,13 +416,19 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
 
 def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
                eos_token_id: int | None = None, *, allow_nonfinite: bool = False,
-               trust_exported: bool = False, revision: str | None = None) -> BlockDiffusionLM:
+               trust_exported: bool = False, revision: str | None = None,
+               mesh: Mesh | None = None) -> BlockDiffusionLM:
     """Load a Hugging Face-layout checkpoint directory (or a built-in model name, an exported engine, or a Hugging
     Face model name ORG/NAME through huggingface_hub's cache: compiledllm/hub.py) onto `device`. allow_nonfinite:
     load NaN / inf weights with a warning instead of refusing them. trust_exported: load an exported engine, whose
-    packages are native code that runs in this process. revision: the Hub model's branch, tag or commit."""
+    packages are native code that runs in this process. revision: the Hub model's branch, tag or commit. mesh:
+    this rank's share of a model split over several ranks (parallel/): a checkpoint's share is read alone
+    (load_checkpoint), a random built-in's is cut from the whole."""
     from compiledllm import builtin, hub
     from compiledllm.export.runtime import is_exported, load_exported  # runtime imports this module's parsers
+    from compiledllm.parallel.shard import shard_model
+
+    split = mesh is not None and mesh.world > 1
 
     path, device, dtype = parse_path(path), parse_device(device), parse_dtype(dtype)
     revision = hub.parse_revision(revision)
@@ -346,16 +441,46 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
             raise UserError(f"{path}: an exported engine runs native code (its .pt2 packages are shared libraries); "
                             "load it only from a source you trust: trust_exported=True (recipe: model.trust_exported:"
                             " true, CLI: --trust-exported)")
-        return load_exported(path, device)
+        model = load_exported(path, device)
+        return shard_model(model, mesh) if split else model  # which refuses it
     if builtin.is_builtin(path):
-        return builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
-    path = checkpoint_dir(path, revision)
+        if split and "path" in builtin.BUILTINS[path]:  # a shipped checkpoint: read per slice like any other
+            return load_model(str(builtin.BUILTINS[path]["path"]), device, dtype, mask_token_id, eos_token_id,
+                              mesh=mesh)
+        model = builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
+        return shard_model(model, mesh) if split else model
+    return load_checkpoint(checkpoint_dir(path, revision), device, dtype, mask_token_id, eos_token_id,
+                           allow_nonfinite=allow_nonfinite, mesh=mesh)[0]
+
+
+def load_checkpoint(path: Path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
+                    eos_token_id: int | None = None, *, allow_nonfinite: bool = False,
+                    mesh: Mesh | None = None) -> tuple[BlockDiffusionLM, int]:
+    """A checkpoint directory's model and the tensor bytes this process read from its files. With a mesh of
+    several ranks, only this rank's share (parallel/shard.py's SPLITS) is built and read: the full model is never
+    in memory, nor any split weight whole."""
+    device, dtype = parse_device(device), parse_dtype(dtype)
     config = parse_model_config(read_config(path), str(path / "config.json"))
     files = checkpoint_files(path)
     tokenizer = TextTokenizer.from_dir(path)
     config = resolve_special_ids(config, tokenizer, mask_token_id, eos_token_id, str(path))
     check_tensors(config, files, str(path / "config.json"))
-    model = materialize(config, device, dtype)
-    load_weights(model, files, allow_nonfinite)
+    if mesh is None or mesh.world == 1:
+        model = materialize(config, device, dtype)
+        read = load_weights(model, files, allow_nonfinite)
+    else:
+        model, read = _load_share(config, files, mesh, device, dtype, allow_nonfinite)
     model.tokenizer = tokenizer
-    return model
+    return model, read
+
+
+def _load_share(config: ModelConfig, files: list[Path], mesh: Mesh, device, dtype: torch.dtype,
+                allow_nonfinite: bool) -> tuple[BlockDiffusionLM, int]:
+    from compiledllm.parallel.shard import held, shard_model
+
+    full = skeleton(config, dtype)  # the meta device: where each checkpoint tensor lies in the full weights
+    shapes = {n: tuple(t.shape) for n, t in itertools.chain(full.named_parameters(), full.named_buffers())}
+    regions = {ckpt: (w, lead, start, held(w, shapes[w], config, mesh))
+               for ckpt, (w, lead, start) in view_regions(full).items()}
+    model = place(shard_model(full, mesh), device, dtype)  # cut on the meta device: the rank's shapes only
+    return model, load_weight_slices(model, files, regions, allow_nonfinite)

@@ -13,7 +13,7 @@ from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.outputs import ResultSink, check_output
-from compiledllm.parallel import Mesh, generate_share, init_mesh, main_rank, replica_share, shard_model
+from compiledllm.parallel import SINGLE, Mesh, generate_share, init_mesh, main_rank, replica_share, shard_model
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
 from compiledllm.threads import set_threads
@@ -36,17 +36,19 @@ class Summary:
     threads: int = 0  # torch's CPU threads during the run
 
 
-def load_from_spec(m: ModelSpec) -> BlockDiffusionLM:
+def load_from_spec(m: ModelSpec, mesh: Mesh = SINGLE) -> BlockDiffusionLM:
+    """The recipe's model; with a mesh of several ranks, this rank's share: a checkpoint's read alone (its slices
+    of the files), a random one's cut from the whole (random weights are for benchmarks)."""
     if m.init == "random":
         model = build_random(m.config, device=m.device, dtype=m.dtype, seed=m.seed, mask_token_id=m.mask_token_id,
                              eos_token_id=m.eos_token_id, routing=m.routing)
         if m.architecture is not None and m.architecture != model.config.architecture:
             raise UserError(f"model.architecture: {m.architecture!r} but the config describes "
                             f"{model.config.architecture!r}")
-        return model
+        return shard_model(model, mesh) if mesh.world > 1 else model
     return load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
                       eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported,
-                      revision=m.revision)
+                      revision=m.revision, mesh=mesh)
 
 
 def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:
@@ -106,9 +108,7 @@ def _prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine,
     p = recipe.parallel
     mesh = init_mesh(p.tensor, p.expert, p.data)  # one process unless parallel asks for more
     t0 = time.perf_counter()
-    model = load_from_spec(recipe.model)
-    if mesh.world > 1:
-        model = shard_model(model, mesh)
+    model = load_from_spec(recipe.model, mesh)
     load_s = time.perf_counter() - t0
     prompts = encode_prompts(model, specs)
     engine = Engine.from_recipe(model, recipe)

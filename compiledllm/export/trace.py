@@ -145,10 +145,13 @@ def export_recipe(source, out: Path, backend: str = "aoti", overrides: list[str]
     returns has `capacity_from`, saying which."""
     from compiledllm.engine import Engine
     from compiledllm.engine.stepper import default_buckets
+    from compiledllm.parallel.group import check_one_process
     from compiledllm.recipe import load_recipe
     from compiledllm.runner import encode_prompts, load_from_spec
 
     recipe = load_recipe(source, overrides)
+    p = recipe.parallel
+    check_one_process(p.tensor, p.expert, p.data, "export")  # it traces one whole model
     model = load_from_spec(recipe.model)
     if not isinstance(model, BlockDiffusionLM):
         raise UserError(f"model.path {recipe.model.path}: already an exported engine")

@@ -1,7 +1,8 @@
 """Tensor and expert parallelism of the model forward, and data-parallel engine replicas, over torch.distributed
-(gloo on the CPU, NCCL on GPUs): `mesh = init_mesh(tensor, expert, data)` on every rank, then
-`shard_model(model, mesh)` on the loaded model, then the engine as in one process (every rank of a replica runs the
-same requests and gets the same tokens); with data > 1 each replica runs its share (data.py)."""
+(gloo on the CPU, NCCL on GPUs): `mesh = init_mesh(tensor, expert, data)` on every rank, then this rank's share of
+the model (`load_model(path, mesh=mesh)` reads only its slices of a checkpoint; `shard_model(model, mesh)` cuts a
+model in memory), then the engine as in one process (every rank of a replica runs the same requests and gets the
+same tokens); with data > 1 each replica runs its share (data.py)."""
 from compiledllm.parallel.data import assign_replicas, gather_results, generate_share, replica_share
 from compiledllm.parallel.group import SINGLE, Mesh, init_mesh, main_rank
 from compiledllm.parallel.shard import check_divisible, local_config, shard_model

@@ -61,6 +61,18 @@ def check_sizes(tensor, expert, data=1) -> None:
             raise UserError(f"parallel.{key}: an integer >= 1, got {n!r}")
 
 
+def check_one_process(tensor: int, expert: int, data: int, what: str) -> None:
+    """`what` runs one whole model in this process: a recipe's parallel sizes above 1 are refused, not ignored."""
+    if tensor * expert > 1:
+        raise UserError(f"parallel.tensor={tensor} x parallel.expert={expert}: {what} runs the whole model in one "
+                        f"process; a split model runs with `compiledllm run` under torchrun (torchrun "
+                        f"--nproc-per-node {tensor * expert * data} -m compiledllm run RECIPE)")
+    if data > 1:
+        raise UserError(f"parallel.data={data}: {what} runs one engine in this process; replicas run with "
+                        f"`compiledllm run` under torchrun (torchrun --nproc-per-node {data} -m compiledllm run "
+                        "RECIPE)")
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None:

@@ -136,6 +136,13 @@ def test_export_capacity_shorter_than_the_prompts_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
 
+def test_export_of_a_split_recipe_is_a_one_line_error(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", model={"path": "tiny-llada2-random"}, prompts=[{"ids": [1, 2]}],
+                        generation={"max_new_tokens": 4}, parallel={"tensor": 2})
+    res = runner.invoke(app, ["export", str(path), "--out", str(tmp_path / "x")])
+    assert_user_error(res, "parallel.tensor=2", "export runs the whole model")
+
+
 def test_export_tensorrt_missing_is_a_clear_error(tmp_path):
     pytest.importorskip("typer")
     try:

@@ -1,15 +1,17 @@
-"""The worker the parallel tests spawn (one process per rank, gloo on the CPU): for each case it loads the tiny
-checkpoint in full, splits it with compiledllm.parallel and writes what the parent compares against one process:
-the no-cache logits (safetensors), the engine's tokens and the rank-local shapes (JSON)."""
+"""The worker the parallel tests spawn (one process per rank, gloo on the CPU): for each case it loads its share
+of the tiny checkpoint as `run` does (its slices only) and writes what the parent compares against one process: the
+no-cache logits (safetensors), the engine's tokens, the rank-local shapes, the bytes it read and how its share
+differs from the whole model loaded and then cut by shard_model (JSON)."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 # case -> (checkpoint folder, tensor, expert)
 CASES = {"sdar_tp2": ("sdar", 2, 1), "llada2_tp2": ("llada2", 2, 1), "llada2_ep2": ("llada2", 1, 2)}
@@ -30,9 +32,31 @@ def logits(model) -> torch.Tensor:
     return model.reference_forward(torch.tensor(LOGIT_IDS), block_size=4)
 
 
+def structure(model) -> list:
+    """What a rank's modules say of their share besides the weights: the config, sizes and `parallel` hooks."""
+    out: list = [model.config]
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        hook = getattr(m, "parallel", None)
+        out.append((a.h, a.kvh, a.qkv.out_features, a.o.in_features, getattr(a, "parallel", None) is not None,
+                    getattr(m, "inner", None), getattr(m, "cfg", None),
+                    None if hook is None else (hook.first_expert, hook.experts)))
+    return out
+
+
+def share_differences(model, cut) -> list[str]:
+    """The weights (state_dict keys) where two rank models differ in dtype, shape or value, and "structure" if
+    their modules' sizes or hooks differ; [] when they are the same share."""
+    a, b = model.state_dict(), cut.state_dict()
+    bad = sorted(set(a) ^ set(b))
+    bad += [k for k in a if k in b and not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                             and torch.equal(a[k], b[k]))]
+    return bad + (["structure"] if structure(model) != structure(cut) else [])
+
+
 def worker(rank: int, port: int, root: str) -> None:
     from compiledllm.errors import UserError
-    from compiledllm.loader import load_model
+    from compiledllm.loader import load_checkpoint, load_model
     from compiledllm.models.layers import MoE
     from compiledllm.parallel import init_mesh, shard_model
 
@@ -42,12 +66,14 @@ def worker(rank: int, port: int, root: str) -> None:
                             timeout=timedelta(seconds=60))
     out: dict = {}
     for case, (arch, tensor, expert) in CASES.items():
-        model = shard_model(load_model(Path(root) / arch), init_mesh(tensor, expert))
+        mesh = init_mesh(tensor, expert)
+        model, read = load_checkpoint(Path(root) / arch, mesh=mesh)  # as `run` loads it: this rank's slices
+        differs = share_differences(model, shard_model(load_model(Path(root) / arch), mesh))
         save_file({"logits": logits(model).contiguous()}, str(Path(root) / f"{case}.rank{rank}.safetensors"))
         moe = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
         out[case] = {"tokens": engine_tokens(model), "heads": model.config.num_heads,
                      "kv_heads": model.config.num_kv_heads, "qkv_rows": model.layers[0].attn.qkv.weight.shape[0],
-                     "experts_held": [m.w_gate_up.shape[0] for m in moe]}
+                     "experts_held": [m.w_gate_up.shape[0] for m in moe], "bytes_read": read, "differs": differs}
     try:
         init_mesh(2, 2)
     except UserError as e:
@@ -91,3 +117,19 @@ def dp_worker(rank: int, port: int, root: str, world: int) -> None:
                      "summary": [summary.prompts, summary.tokens, summary.forwards]}
     (Path(root) / f"rank{rank}.dp.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+# a checkpoint tensor's share per rank, from its name alone (independent of compiledllm/parallel/shard.py): routed
+# and shared experts over every tensor x expert rank, the other projections over the tensor ranks, the rest whole
+_EXPERT_NAMES = re.compile(r"mlp\.(experts|shared_experts)\.")
+_TENSOR_NAMES = re.compile(r"(_proj|query_key_value|attention\.dense|blocks\.\d+\.(attn_out|ff_out))\.weight$")
+
+
+def checkpoint_bytes(folder: Path, tensor: int = 1, expert: int = 1) -> int:
+    """The tensor bytes of a checkpoint, or what one rank of tensor x expert should read of them."""
+    total = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            share = tensor * expert if _EXPERT_NAMES.search(name) else tensor if _TENSOR_NAMES.search(name) else 1
+            total += t.numel() * t.element_size() // share
+    return total

@@ -1,7 +1,8 @@
-"""Tensor and expert parallelism (compiledllm/parallel/) on 2 CPU processes over gloo: the split models give one
-process's float32 logits (to its rounding) and the engine's tokens on every rank, for SDAR with tensor 2 and LLaDA2
-MoE with tensor 2 and with expert 2; each rank holds only its heads (KV cache) and experts; size mistakes are
-one-line UserErrors. One spawn of 2 processes runs every distributed case (ranks.py)."""
+"""Tensor and expert parallelism (compiledllm/parallel/) on 2 CPU processes over gloo: the split models (each rank's
+share read from the checkpoint alone, as `run` loads it) give one process's float32 logits (to its rounding) and
+the engine's tokens on every rank, for SDAR with tensor 2 and LLaDA2 MoE with tensor 2 and with expert 2; each rank
+holds only its heads (KV cache) and experts and read only their bytes; size mistakes are one-line UserErrors. One
+spawn of 2 processes runs every distributed case (ranks.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from checkpoints import default_config, write_checkpoint
-from ranks import CASES, engine_tokens, logits, worker
+from ranks import CASES, checkpoint_bytes, engine_tokens, logits, worker
 
 from compiledllm.errors import UserError
 from compiledllm.loader import load_model, parse_model_config
@@ -50,6 +51,17 @@ def test_two_ranks_match_one_process(run, case):
         torch.testing.assert_close(split, want_logits, rtol=1e-5, atol=5e-5)
         assert got[case]["tokens"] == want_tokens, (case, r)
     assert any(len(t) > 1 for t in want_tokens)
+
+
+def test_each_rank_reads_only_its_slices(run):
+    """`run`'s loading on real ranks: each rank's share, read from the files alone, is the whole model loaded and
+    then cut by shard_model (equal weights, sizes and hooks), and it read only its slices' bytes."""
+    root, ranks = run
+    for case, (arch, tensor, expert) in CASES.items():
+        for r, got in enumerate(ranks):
+            assert got[case]["differs"] == [], (case, r)
+            assert got[case]["bytes_read"] == checkpoint_bytes(root / arch, tensor, expert) < checkpoint_bytes(
+                root / arch), (case, r)
 
 
 def test_ranks_hold_their_share(run):
