@@ -39,9 +39,11 @@ class GenerationResult:
     first_block_s: float = 0.0  # arrival to its first retired block
 
 
-def working_length(prompt_len: int, max_new_tokens: int, block: int) -> int:
-    """End of the block that holds position prompt_len + max_new_tokens - 1."""
-    return -(-(prompt_len + max_new_tokens) // block) * block
+def working_length(prompt_len: int, max_new_tokens: int, block: int, start: int | None = None) -> int:
+    """End of the block that holds position prompt_len + max_new_tokens - 1, blocks counted from `start` (the first
+    block's start, Policy.first_block; default: blocks aligned to position 0)."""
+    start = prompt_len // block * block if start is None else start
+    return start + -(-(prompt_len + max_new_tokens - start) // block) * block
 
 
 class Engine:
@@ -77,7 +79,8 @@ class Engine:
         return self.config.max_new_tokens
 
     def capacity_for(self, prompts: list[list[int]]) -> int:
-        need = max(working_length(len(p), self.max_new_tokens, self.block) for p in prompts)
+        need = max(working_length(len(p), self.max_new_tokens, self.block, self.policy.first_block(len(p)))
+                   for p in prompts)
         cap = self.static.capacity if self.static else (self.config.max_seq_len or need)
         if self.static and cap < need <= self.model.config.max_position_embeddings:  # fixed when it was exported
             raise UserError(f"the exported engine's KV capacity is {cap} positions and this run needs {need} (the "
@@ -179,9 +182,10 @@ class Engine:
         P = len(prompt)
         st.seq[s].fill_(self.model.mask_token_id)
         st.seq[s, :P] = torch.tensor(prompt, device=st.seq.device)
-        start = P // self.block * self.block
+        start = self.policy.first_block(P)
         cached = 0 if self.model.bidirectional else start  # a bidirectional model caches nothing: no prefill
-        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, self.max_new_tokens, self.block), start
+        end = working_length(P, self.max_new_tokens, self.block, start)
+        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, end, start
         st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
         st.key[s] = request_key(self.policy.sampling.seed, self._ids[index])  # its own noise: batch invariant
         for v in st.policy.values():
@@ -195,7 +199,7 @@ class Engine:
         if eos in out and not self.config.ignore_eos:
             out = out[: out.index(eos) + 1]
         tok = self.model.tokenizer
-        blocks = (int(st.block_start[s]) - P // self.block * self.block) // self.block
+        blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
         return GenerationResult(index=self._ids[index], prompt_ids=list(prompt), output_ids=out, steps=int(st.steps[s]),
                                 blocks=blocks, text=tok.decode(out) if tok else None, extra=self.policy.report(st, s))
 

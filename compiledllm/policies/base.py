@@ -118,6 +118,11 @@ class Policy(ABC):
     def block_size(self) -> int:
         return self.config.block_size
 
+    def first_block(self, prompt_len: int) -> int:
+        """Where a request's first block starts (on the host): blocks align to position 0, so a partial prompt
+        block decodes with the first generated tokens (docs/design.md §4)."""
+        return prompt_len // self.block_size * self.block_size
+
     def init_state(self, batch: int, device: torch.device) -> State:
         """Per-row state buffers (zeros = the state at the start of a request's first block)."""
         return {}
