@@ -2,10 +2,10 @@
 on its own ranks, decoding its share of a run's requests.
 
 Every rank encodes every prompt and computes the same assignment (assign_replicas: deterministic, so no rank needs
-to hear from another before decoding). A replica's engine runs only its requests, each with its prompt index
-in the whole run as its request id (its sampling noise and its result's index) and with the KV capacity the whole run would have, so
-each request decodes the tokens one engine gives it (the engine is batch invariant). Global rank 0 then gathers
-every replica's results (gather_results)."""
+to hear from another before decoding). A replica's engine runs only its requests, each with its prompt index in
+the whole run as its request id (its sampling noise and its result's index) and with the KV capacity the whole
+run would have, so each request decodes the tokens one engine gives it (the engine is batch invariant). Global
+rank 0 then gathers every replica's results (gather_results)."""
 from __future__ import annotations
 
 import json
