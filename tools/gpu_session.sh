@@ -6,8 +6,8 @@
 # attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
-# sampling (tools/bench_sampling.py), prefill / moeprefill / attnbase (issue 19's prefill, MoE-at-prefill and
-# attention-baseline benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
+# sampling (tools/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
+# attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -88,6 +88,16 @@ fi
 if has moeprefill; then  # issue 19: routed experts at prefill sizes against the dense GEMM rate, tile sweep
   timeout ${MOEP_TIMEOUT:-200} python3 tools/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
     --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
+fi
+if has e2e; then  # issue 19: compiledllm bench end to end (4K-32K, outputs 512, the probed largest batch), SDAR-8B,
+  # and prefill interleaved under a request rate; ideal / share: tools/e2e_ideal.py on the JSON afterwards
+  python3 -c "import json, sys; sys.path.insert(0, 'tools'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
+  R=recipes/profile_llada2_mini.yaml
+  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --prompt-len 4096,16000,32000 --output-len 512 \
+    --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep -v -i warn | tail -8
+  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set model.config=sdar-8b --prompt-len 16000,32000 \
+    --output-len 256 --batch 1,8,max --out "$OUT/e2e_sdar.json" 2>&1 | grep -v -i warn | tail -8
+  timeout ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
 fi
 if has attnbase; then  # issue 19: the CuPy / Triton kernels against static Flex (and FlashInfer where carried in .fi/)
   if [ -f .fi/fi_site.tar.xz ]; then
