@@ -178,7 +178,7 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               on_point: Callable[[dict], None] | None = None) -> dict:
     """Every point of the grid for the recipe at `path`; the report (settings, device, points) that --out writes.
     on_point gets the report so far after each point (the CLI writes it then: a run cut short keeps its points)."""
-    from compiledllm.parallel.group import check_one_process
+    from compiledllm.parallel import init_mesh
     from compiledllm.policies import policy_name
     from compiledllm.recipe import resolved_policy
     from compiledllm.runner import load_from_spec
@@ -188,10 +188,14 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
     if recipe.parallel.data > 1:  # each process would measure a whole copy of the grid
         raise UserError(f"parallel.data={recipe.parallel.data}: bench measures one engine replica; set "
                         "parallel.data=1 (`run` spreads requests over replicas)")
-    check_one_process(recipe.parallel.tensor, recipe.parallel.expert, 1, "bench")  # not time an unsplit one
+    par = recipe.parallel
     points = plan(settings, recipe)
+    if par.tensor * par.expert > 1 and any(b == "max" for _, _, b in points):
+        raise UserError("--batch max with a split model (parallel.tensor / expert): give batch sizes (a probe that "
+                        "fails on one rank would leave the others waiting in a collective)")
     threads = set_threads(recipe.threads)
-    model = load_from_spec(recipe.model)
+    mesh = init_mesh(par.tensor, par.expert)  # under torchrun every rank runs every point; rank 0 reports
+    model = load_from_spec(recipe.model, mesh)
     if model.device.type != "cuda" and any(b == "max" for _, _, b in points):
         raise UserError("--batch max: probes GPU memory by running batches until one fails; on the CPU (where a "
                         "process swaps or is killed instead) give batch sizes")
@@ -208,7 +212,9 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               "routing": recipe.model.routing, "dtype": recipe.model.dtype, "policy": resolved_policy(recipe.policy),
               "policy_name": policy_name(recipe.policy_config()), "block": block, "compile": base.compile,
               "cuda_graphs": base.cuda_graphs, "prefill_chunk": base.prefill_chunk,
-              "prefill_tokens": base.prefill_tokens, "device": device, "torch": torch.__version__,
+              "prefill_tokens": base.prefill_tokens, "parallel": {"tensor": par.tensor, "expert": par.expert},
+              "parameters": sum(t.numel() for t in model.parameters()),  # this rank's share of a split model
+              "device": device, "torch": torch.__version__,
               "threads": threads if model.device.type == "cpu" else None, "date": time.strftime("%Y-%m-%d"),
               "settings": settings_record(settings), "points": []}
     for plen, out, batch in points:

@@ -97,8 +97,10 @@ def _global_options(
 
 
 def progress(*columns) -> Progress:
-    """A transient progress display on stderr; none under --quiet."""
-    return Progress(*columns, console=err_console, transient=True, disable=err_console.quiet)
+    """A transient progress display on stderr; none under --quiet, nor on the other ranks of a split model."""
+    from compiledllm.parallel import main_rank
+
+    return Progress(*columns, console=err_console, transient=True, disable=err_console.quiet or not main_rank())
 
 
 def compact_table(title: str) -> Table:
@@ -417,8 +419,10 @@ def _secs(x: float) -> str:
 
 def bench_table(report: dict) -> Table:
     """One row per point, in 80 columns: numbers right-aligned, one space apart."""
-    table = compact_table(f"{report['model']} · {report['policy_name']} · {report['device']} · "
-                          f"rate {report['settings']['rate']}")
+    split = report.get("parallel") or {}
+    where = f"{report['device']} x {split['tensor'] * split['expert']} ranks (tensor {split['tensor']}, expert " \
+        f"{split['expert']})" if split.get("tensor", 1) * split.get("expert", 1) > 1 else report["device"]
+    table = compact_table(f"{report['model']} · {report['policy_name']} · {where} · rate {report['settings']['rate']}")
     table.padding = (0, 0)
     for col in ("prompt", "out", "batch", "prefill\ntok/s", "decode\ntok/s", "output\ntok/s", "1st\nblk", "p50",
                 "p90", "p99", "GiB", "start", "MoE\nexp"):
@@ -481,6 +485,7 @@ def bench(
     """
     from compiledllm.bench import BenchSettings, parse_list, parse_rate, run_bench, write_plot
     from compiledllm.outputs import check_output, write_atomic
+    from compiledllm.parallel import main_rank
 
     try:
         if prompts is not None and prompt_len is not None:
@@ -502,12 +507,14 @@ def bench(
 
             def point_done(report: dict) -> None:
                 bar.advance(task)
-                if out is not None:  # after every point: a run cut short keeps what it measured
+                if out is not None and main_rank():  # after every point: a run cut short keeps what it measured
                     write_atomic(out, json.dumps(report, indent=2) + "\n", "--out")
 
             report = run_bench(recipe, with_flags(set_, threads=threads), settings,
                                on_start=lambda n: bar.update(task, total=n),
                                on_progress=lambda s: bar.update(task, description=s), on_point=point_done)
+        if not main_rank():  # the other ranks of a split model ran the same points: rank 0 reports them
+            return
         if plot is not None:
             write_plot(report, plot)
     except UserError as e:

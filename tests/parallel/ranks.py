@@ -54,6 +54,26 @@ def share_differences(model, cut) -> list[str]:
     return bad + (["structure"] if structure(model) != structure(cut) else [])
 
 
+BENCH_KEYS = ("batch", "requests", "prompt_tokens", "generated_tokens", "prefill_tokens", "decode_steps",
+              "touched_experts")
+
+
+def bench_report(root: str, parallel: dict, rank: int = 0) -> dict:
+    """`compiledllm bench`'s run of a small grid on the tiny LLaDA2 checkpoint: the report's parallel section and,
+    per point, what must not depend on the split (the timings do)."""
+    import yaml
+
+    from compiledllm.bench import BenchSettings, run_bench
+
+    recipe = Path(root) / f"bench{rank}.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"path": str(Path(root) / "llada2")}, "policy": POLICY,
+                                      "parallel": parallel, "batch_size": 2, "prompts": [{"ids": [1]}]}))
+    report = run_bench(recipe, [], BenchSettings(prompt_lens=(9,), output_lens=(MAX_NEW,), batches=(1, 2),
+                                                 requests=3))
+    return {"parallel": report["parallel"], "parameters": report["parameters"],
+            "points": [{k: p[k] for k in BENCH_KEYS} for p in report["points"]]}
+
+
 def worker(rank: int, port: int, root: str) -> None:
     from compiledllm.errors import UserError
     from compiledllm.loader import load_checkpoint, load_model
@@ -74,6 +94,7 @@ def worker(rank: int, port: int, root: str) -> None:
         out[case] = {"tokens": engine_tokens(model), "heads": model.config.num_heads,
                      "kv_heads": model.config.num_kv_heads, "qkv_rows": model.layers[0].attn.qkv.weight.shape[0],
                      "experts_held": [m.w_gate_up.shape[0] for m in moe], "bytes_read": read, "differs": differs}
+    out["bench"] = bench_report(root, {"tensor": 2}, rank)
     try:
         init_mesh(2, 2)
     except UserError as e:

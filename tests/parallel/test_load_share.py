@@ -164,7 +164,7 @@ def test_built_in_and_random_models_load_their_share():
     assert random.layers[0].attn.qkv.weight.shape[0] == (2 + 2 * 1) * 32  # 2 query and 1 KV head of 32
 
 
-def test_llm_and_bench_refuse_a_split_model(tmp_path):
+def test_llm_refuses_and_bench_outside_torchrun_says_how_to_start_a_split_model(tmp_path):
     base = {"model": {"path": "tiny-llada2"}, "prompts": [{"ids": [5, 6]}], "generation": {"max_new_tokens": 4}}
     with pytest.raises(UserError) as e:
         LLM(load_recipe(base | {"parallel": {"tensor": 2}}))
@@ -175,5 +175,6 @@ def test_llm_and_bench_refuse_a_split_model(tmp_path):
     recipe = tmp_path / "ep.yaml"
     recipe.write_text(yaml.safe_dump(base | {"parallel": {"expert": 2}}))
     res = CliRunner().invoke(app, ["bench", str(recipe), "--prompt-len", "8", "--requests", "1"])
-    assert_user_error(res, "parallel.tensor=1 x parallel.expert=2: bench runs the whole model in one process",
-                      "torchrun --nproc-per-node 2")
+    assert_user_error(res, "data 1 x tensor 1 x expert 2 needs 2 processes", "torchrun --nproc-per-node 2")
+    res = CliRunner().invoke(app, ["bench", str(recipe), "--prompt-len", "8", "--batch", "1,max"])
+    assert_user_error(res, "--batch max with a split model", "give batch sizes")

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from checkpoints import default_config, write_checkpoint
-from ranks import CASES, checkpoint_bytes, engine_tokens, logits, worker
+from ranks import CASES, bench_report, checkpoint_bytes, engine_tokens, logits, worker
 
 from compiledllm.errors import UserError
 from compiledllm.loader import load_model, parse_model_config
@@ -71,6 +71,18 @@ def test_ranks_hold_their_share(run):
         assert (sdar["heads"], sdar["kv_heads"], sdar["qkv_rows"]) == (2, 1, (2 + 2 * 1) * 16)  # 4 q, 2 kv heads
         assert (tp["heads"], tp["kv_heads"], tp["experts_held"]) == (2, 1, [8, 8])  # experts split by width
         assert (ep["heads"], ep["kv_heads"], ep["experts_held"]) == (4, 2, [4, 4])  # attention replicated
+
+
+def test_bench_of_a_split_model_runs_one_process_points(run):
+    """`compiledllm bench` under torchrun with tensor 2: every rank runs every point, with one process's prefill,
+    decode steps and touched experts (only the timings differ)."""
+    root, ranks = run
+    want = bench_report(str(root), {})
+    assert want["parallel"] == {"tensor": 1, "expert": 1} and len(want["points"]) == 2
+    for got in ranks:
+        assert got["bench"]["parallel"] == {"tensor": 2, "expert": 1}
+        assert got["bench"]["parameters"] < want["parameters"]  # each rank timed its share, not a whole model
+        assert got["bench"]["points"] == want["points"]
 
 
 def test_world_must_be_tensor_times_expert(run):
