@@ -419,9 +419,10 @@ def _secs(x: float) -> str:
 
 def bench_table(report: dict) -> Table:
     """One row per point, in 80 columns: numbers right-aligned, one space apart."""
-    split = report.get("parallel") or {}
-    where = f"{report['device']} x {split['tensor'] * split['expert']} ranks (tensor {split['tensor']}, expert " \
-        f"{split['expert']})" if split.get("tensor", 1) * split.get("expert", 1) > 1 else report["device"]
+    split = report.get("parallel") or {"tensor": 1, "expert": 1}  # reports from before the key
+    ranks, where = split["tensor"] * split["expert"], report["device"]
+    if ranks > 1:
+        where += f" x {ranks} ranks (tensor {split['tensor']}, expert {split['expert']})"
     table = compact_table(f"{report['model']} · {report['policy_name']} · {where} · rate {report['settings']['rate']}")
     table.padding = (0, 0)
     for col in ("prompt", "out", "batch", "prefill\ntok/s", "decode\ntok/s", "output\ntok/s", "1st\nblk", "p50",
