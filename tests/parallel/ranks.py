@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +20,21 @@ POLICY = {"name": "threshold", "block_size": 4, "threshold": 0.5}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # one with a full block to prefill, one without
 LOGIT_IDS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
 MAX_NEW = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_checkpoints(root: Path) -> Path:
+    """The tiny SDAR and LLaDA2 MoE checkpoints every parallel test splits, under root."""
+    from checkpoints import write_checkpoint
+
+    write_checkpoint(root / "sdar", "sdar", seed=11)
+    write_checkpoint(root / "llada2", "llada2", seed=12)
+    return root
 
 
 def engine_tokens(model) -> list[list[int]]:

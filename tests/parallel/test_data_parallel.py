@@ -6,14 +6,11 @@ assign_replicas itself in plain Python."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
-from checkpoints import write_checkpoint
-from ranks import DP_CASES, DP_PROMPTS, MAX_NEW, dp_recipe, dp_worker
+from ranks import DP_CASES, DP_PROMPTS, MAX_NEW, dp_recipe, dp_worker, free_port, write_checkpoints
 
 from compiledllm.errors import UserError
 from compiledllm.parallel import assign_replicas
@@ -23,17 +20,9 @@ from compiledllm.runner import execute, prepare
 LEAST_LOADED = [0, 1, 1, 0, 1]  # DP_PROMPTS' costs 17, 10, 11, 22, 13 over 2 replicas
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data_parallel")
-    write_checkpoint(root / "sdar", "sdar", seed=11)
-    write_checkpoint(root / "llada2", "llada2", seed=12)
+    root = write_checkpoints(tmp_path_factory.mktemp("data_parallel"))
     return root
 
 

@@ -6,15 +6,15 @@ spawn of 2 processes runs every distributed case (ranks.py)."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from checkpoints import default_config, write_checkpoint
-from ranks import CASES, bench_report, checkpoint_bytes, engine_tokens, logits, worker
+from checkpoints import default_config
+from ranks import (CASES, bench_report, checkpoint_bytes, engine_tokens, free_port, logits, worker,
+                   write_checkpoints)
 
 from compiledllm.errors import UserError
 from compiledllm.loader import load_model, parse_model_config
@@ -23,17 +23,9 @@ from compiledllm.parallel import check_divisible
 from compiledllm.recipe import load_recipe
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    write_checkpoint(root / "sdar", "sdar", seed=11)
-    write_checkpoint(root / "llada2", "llada2", seed=12)
+    root = write_checkpoints(tmp_path_factory.mktemp("parallel"))
     torch.set_num_threads(1)
     mp.spawn(worker, args=(free_port(), str(root)), nprocs=2, join=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
