@@ -7,7 +7,7 @@ machine, a small decode ran at 3.4 tokens/s with 2 threads and 14.5 with 1. So b
 that are not busy when it starts (runnable tasks now, from /proc/loadavg: instantaneous, where the load average
 lags a minute behind), at least 1, at most torch's own default; the `threads` recipe key / `--threads` sets it.
 OMP_WAIT_POLICY is left to the user: PASSIVE (sleep at once) halved the idle quickstart's speed at 2 threads and
-did not help under load (tools/bench_threads.py).
+did not help under load (tools/bench/bench_threads.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/synth_tasks.py and tools/tiny_mix.py: deterministic generators with exact answers, a train / eval split
+"""tools/train/synth_tasks.py and tools/train/tiny_mix.py: deterministic generators with exact answers, a train / eval split
 that cannot overlap, prompts sized by tokens, needles that point at what the answer depends on, training windows
 built from (seed, step) alone, and the shipped task files."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "train"))
 
 import synth_tasks as S  # noqa: E402
 import tiny_data as D  # noqa: E402
@@ -227,7 +227,7 @@ def test_eos_padding_and_loss_weights(tok, corpus):
 def test_bd_mask_matches_a_literal_rule():
     import torch
 
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tools" / "train"))
     import tiny_fast
 
     n_clean = 6

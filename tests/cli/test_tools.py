@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+for _folder in ("bench", "plots"):  # script folders: their tools import each other by bare name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / _folder))
 
 from bench_decode import masked_share, pending  # noqa: E402
 
@@ -92,7 +93,7 @@ def test_every_results_file_the_results_pages_name_exists():
 
 def test_results_name_parser_sees_names_links_globs_and_braces():
     text = ("raw `bench_head_h200.json`; ![c](results/headline_decode_h200.png); `kernels_{4k,32k}.json`; "
-            "`python3 tools/x.py --out $OUT/a.json` is a command, not a name; `results/gpu_tests_h200_run6.log`")
+            "`python3 tools/bench/x.py --out $OUT/a.json` is a command, not a name; `results/gpu_tests_h200_run6.log`")
     assert _named_results(text) == {"bench_head_h200.json", "headline_decode_h200.png", "kernels_{4k,32k}.json",
                                     "gpu_tests_h200_run6.log"}
     assert _expand("k_{4k,32k}_{a,b}.json") == ["k_4k_a.json", "k_4k_b.json", "k_32k_a.json", "k_32k_b.json"]
@@ -138,7 +139,7 @@ def test_headline_chart_and_tables_come_from_the_repository_json(tmp_path):
     page = (ROOT / "docs" / "results.md").read_text()
     for table in (plot_headline.decode_table(grid), plot_headline.peers_summary(peers),
                   plot_headline.peers_table(peers)):
-        assert table in page, "docs/results.md is out of date: run python3 tools/plot_headline.py --tables"
+        assert table in page, "docs/results.md is out of date: run python3 tools/plots/plot_headline.py --tables"
 
 
 def test_peer_normalisation_is_the_stated_bandwidth_ratio():
@@ -154,7 +155,7 @@ def test_peer_normalisation_is_the_stated_bandwidth_ratio():
 
 
 def test_e2e_ideal_rows_of_the_recorded_bench_reports(tmp_path):
-    """The results page's ideal / share columns come from the recorded reports by tools/e2e_ideal.py."""
+    """The results page's ideal / share columns come from the recorded reports by tools/bench/e2e_ideal.py."""
     import json
 
     import e2e_ideal

@@ -1,4 +1,4 @@
-"""tools/train_tiny.py runs end to end on the CPU (a smoke test, not a training run), and save_model round-trips."""
+"""tools/train/train_tiny.py runs end to end on the CPU (a smoke test, not a training run), and save_model round-trips."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_train_tiny_three_steps_then_loads(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--preset", "tiny", "--steps", "3",
+    cmd = [sys.executable, str(ROOT / "tools" / "train" / "train_tiny.py"), "--preset", "tiny", "--steps", "3",
            "--max-files", "60", "--holdout", "0.3", "--eval", "quick", "--device", "cpu", "--out", str(out),
            "--package", str(tmp_path / "pkg")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -95,7 +95,7 @@ def test_save_model_shards_with_index(tmp_path):
 # --- the tiny-llada2.1 and tiny-llada kinds (issue 15): 3 steps, and 2 steps + resume == 3 steps ----------------
 
 def _train(kind: str, out: Path, *extra: str) -> dict:
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tools" / "train"))
     import train_tiny
 
     return train_tiny.main(["--kind", kind, "--preset", "tiny", "--max-files", "30", "--holdout", "0.3",
@@ -181,7 +181,7 @@ def test_bf16_state_comes_back_in_a_package_and_resumes(tmp_path):
 
 
 def test_in_run_eval_plan_fits_every_file_in_the_time_left(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tools" / "train"))
     import train_kinds as K
 
     files = {}
@@ -203,7 +203,7 @@ def test_in_run_eval_plan_fits_every_file_in_the_time_left(tmp_path):
 def test_weights_only_state_restores_with_a_fresh_optimizer(tmp_path):
     import argparse
 
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tools" / "train"))
     import tiny_state
     import train_kinds as K
     import train_tiny as T

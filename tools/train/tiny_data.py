@@ -1,5 +1,5 @@
 """Data side of the tiny model: the stdlib corpus, its deterministic split, the BPE tokenizer, the held-out
-task files and the bigram baseline. Used by tools/train_tiny.py and tools/build_tasks.py.
+task files and the bigram baseline. Used by tools/train/train_tiny.py and tools/train/build_tasks.py.
 
 Corpus: every `*.py` file under the running interpreter's stdlib directory (sysconfig's "stdlib"), test
 directories included, `site-packages`/`dist-packages` and unreadable (non-UTF-8) files excluded. A file is

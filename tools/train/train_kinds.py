@@ -1,4 +1,4 @@
-"""The tiny-llada2.1 and tiny-llada kinds of tools/train_tiny.py (`--kind`): presets, the resumable training
+"""The tiny-llada2.1 and tiny-llada kinds of tools/train/train_tiny.py (`--kind`): presets, the resumable training
 loop, the synthetic-task evaluation and the model card. The legacy kind (tiny-llada2) stays in train_tiny.py.
 
 tiny-llada2.1: LLaDA2 MoE layout (LLaDA2MoeModelLM): 16 experts of width 64, top-4 from 2 of 4 groups, a shared
@@ -31,18 +31,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synth_tasks as S  # noqa: E402
-import tiny_data as D  # noqa: E402
-import tiny_fast  # noqa: E402
-import tiny_mix as M  # noqa: E402
-import tiny_state  # noqa: E402
-
-from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask  # noqa: E402
-from compiledllm.loader import load_model  # noqa: E402
-from compiledllm.policies.plan import Forward  # noqa: E402
-from compiledllm.save import save_model  # noqa: E402
-from compiledllm.tokenizer import TextTokenizer  # noqa: E402
+import synth_tasks as S
+import tiny_card
+import tiny_common as C
+import tiny_data as D
+import tiny_fast
+import tiny_mix as M
+import tiny_state
+from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask
+from compiledllm.loader import load_model
+from compiledllm.policies.plan import Forward
+from compiledllm.save import save_model
+from compiledllm.tokenizer import TextTokenizer
 
 KINDS = ("tiny-llada2.1", "tiny-llada")
 ARCH = {
@@ -277,11 +277,9 @@ def lr_factor(step: int, first: int, total: int | None, args) -> float:
 
 
 def train(model, batches: M.Batches, held: dict, args, log, stop_at: float, resumed: tuple | None) -> dict:
-    from train_tiny import make_optimizer
-
     dev = args.device
     cuda = dev.type == "cuda"
-    opt = make_optimizer(model, args)
+    opt = C.make_optimizer(model, args)
     prior = {"step": 0, "history": [], "wall_s": 0.0, "tokens_seen": 0, "tokens_forwarded": 0, "calls": []}
     if resumed is not None:
         info, tensors = resumed
@@ -470,7 +468,7 @@ def ordered(files: dict[str, Path]) -> dict[str, Path]:
 
 @dataclass(frozen=True)
 class EvalItem:
-    """One task file of the in-run evaluation: which policies (labels of train_tiny.EVAL_POLICIES), at most how many
+    """One task file of the in-run evaluation: which policies (labels of tiny_common.EVAL_POLICIES), at most how many
     tasks, and its prompts' length in tokens (about), which weighs its cost."""
     name: str
     policies: tuple[str, ...]
@@ -521,9 +519,7 @@ def run_eval_plan(model, task_files: dict[str, Path], plan: list[EvalItem], tabl
                   rate: float = 0.06) -> tuple[dict, dict]:
     """(task results, needle ablation) of the plan, every file finished by end_at: each file's task count comes from
     eval_limit with the seconds a unit measured so far (`rate` until then: run 1 on the H200 spent 0.035-0.055)."""
-    import train_tiny as T
-
-    by_label = {p["label"]: p for p in T.EVAL_POLICIES}
+    by_label = {p["label"]: p for p in C.EVAL_POLICIES}
     tasks, ablation, spent, units = {}, {}, 0.0, 0.0
     for i, item in enumerate(plan):
         start = time.time()
@@ -532,7 +528,7 @@ def run_eval_plan(model, task_files: dict[str, Path], plan: list[EvalItem], tabl
             log(f"skipping {item.name}: no time left")
             tasks[item.name] = {"skipped": "deadline"}
             continue
-        tasks |= T.eval_tasks(model, {item.name: task_files[item.name]}, table, 32, log, end_at, n,
+        tasks |= C.eval_tasks(model, {item.name: task_files[item.name]}, table, 32, log, end_at, n,
                               tokenizer=model.tokenizer, policies=[by_label[lb] for lb in item.policies])
         if item.name.startswith("retrieval") and "policies" in tasks[item.name]:
             ablation[item.name] = needle_ablation(model, task_files[item.name], n)
@@ -546,9 +542,7 @@ def run_eval_plan(model, task_files: dict[str, Path], plan: list[EvalItem], tabl
 def write_task_files(tok, held_files, held_code, args, tasks_dir: Path, log) -> None:
     """The run's task files (code from held-out files, then the synthetic plan). Runs in a forked process beside the
     training: the 4K / 8K files size their prompts by tokenizing, ~30 s on the device machine."""
-    import train_tiny as T
-
-    short, long_ = D.build_tasks(tok, held_files, seed=args.seed, **T.PRESETS[args.preset]["tasks"])
+    short, long_ = D.build_tasks(tok, held_files, seed=args.seed, **C.CODE_TASKS[args.preset])
     D.write_jsonl(tasks_dir / "code_short.jsonl", short)
     D.write_jsonl(tasks_dir / "code_long.jsonl", long_)
     plan = synth_plan(args.kind, args.preset)
@@ -575,8 +569,6 @@ class TaskWriter:
 
 
 def main(args, t0: float) -> dict:
-    import train_tiny as T
-
     deadline_at = t0 + args.deadline
     out = args.out
     ckpt, state_dir = out / "checkpoint", out / "state"
@@ -588,7 +580,7 @@ def main(args, t0: float) -> dict:
             raise SystemExit(f"--resume {args.resume}: a {info['kind']} / {info['preset']} state, not "
                              f"{args.kind} / {args.preset}")
         args.seed, args.vocab, args.holdout = info["seed"], info["vocab"], info["holdout"]
-    log = T.Log(out / "train_log.jsonl", append=resumed is not None)
+    log = C.Log(out / "train_log.jsonl", append=resumed is not None)
     dev = args.device
     torch.manual_seed(args.seed)
     if dev.type == "cuda":
@@ -619,7 +611,7 @@ def main(args, t0: float) -> dict:
     writer = TaskWriter(tok, held_files, held_code, args, tasks_dir, log)
 
     cfg = hf_config(args.kind, args.preset, vocab)
-    model = T.build_model(cfg, dev, args.seed)
+    model = C.build_model(cfg, dev, args.seed)
     params = sum(p.numel() for p in model.parameters())
     log(f"model: {params:,} parameters ({params * 2 / 1e6:.1f} MB in bf16) on {dev}")
     windows = M.Windows(tok, train_stream, args.mix, D.EOS)
@@ -640,7 +632,7 @@ def main(args, t0: float) -> dict:
                                                            or cfg["max_sequence_length"]))
     weight_files = save_model(model, ckpt, cfg, dtype=torch.bfloat16)
     steps = training["steps"]
-    command = (f"python tools/train_tiny.py --kind {args.kind} --out OUT --steps {steps}"
+    command = (f"python tools/train/train_tiny.py --kind {args.kind} --out OUT --steps {steps}"
                + ("" if args.preset == "full" else f" --preset {args.preset}") + (f" --seed {args.seed}" if args.seed else ""))
     results = {"kind": args.kind, "command": command, "config": cfg, "parameters": params,
                "weights_bytes": sum(f.stat().st_size for f in weight_files),
@@ -661,7 +653,7 @@ def main(args, t0: float) -> dict:
     tasks_ok = writer.join(log)
     write_reports(out, ckpt, results)
     log(f"saved {ckpt} ({results['weights_bytes'] / 1e6:.2f} MB of weights) and {state_dir} ({args.state_dtype})")
-    T.package(out, args.package, state=args.package_state)
+    C.package(out, args.package, state=args.package_state)
 
     if args.eval != "none" and tasks_ok:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -669,24 +661,21 @@ def main(args, t0: float) -> dict:
         results["eval_device"] = str(dev)
         n_win = 32 if args.eval == "full" else 2
         modes = ("bidirectional",) if args.kind == "tiny-llada" else ("block_32", "bidirectional")
-        results["masked_accuracy"] = T.masked_accuracy(m, torch.tensor(held_stream, dtype=torch.long, device=dev),
+        results["masked_accuracy"] = C.masked_accuracy(m, torch.tensor(held_stream, dtype=torch.long, device=dev),
                                                        args.shapes.short_len, n_win, args.seed, modes=modes)
         table = D.bigram_table(train_stream.tolist(), vocab)
         plan = eval_plan(task_files, quick=args.eval == "quick")
         results["tasks"], results["needle_ablation"] = run_eval_plan(m, task_files, plan, table, log, deadline_at - 12)
     results["run_wall_s"] = time.time() - t0
     write_reports(out, ckpt, results)
-    T.package(out, args.package, state=args.package_state)
+    C.package(out, args.package, state=args.package_state)
     log(f"done in {results['run_wall_s']:.0f} s (full tables: {out / 'tiny_model.md'})\n" + results["summary"])
     return results
 
 
 def write_reports(out: Path, ckpt: Path, results: dict) -> None:
-    import tiny_card
-    import train_tiny as T
-
     results["summary"] = tiny_card.summary_table(results)
     (ckpt / "README.md").write_text(tiny_card.model_card(results))
-    (out / "tiny_model.md").write_text(T.metrics_tables(results) + "\n")
+    (out / "tiny_model.md").write_text(C.metrics_tables(results) + "\n")
     (out / "summary.txt").write_text(results["summary"])
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
 """(Re)build the held-out task files for a trained tiny checkpoint and (re)evaluate it, updating its model card.
 
-Uses the checkpoint's tokenizer and the same deterministic split as tools/train_tiny.py (sha1 of the relative
+Uses the checkpoint's tokenizer and the same deterministic split as tools/train/train_tiny.py (sha1 of the relative
 path), over the stdlib of the interpreter that runs this tool: a file held out in training is held out here
 whatever the Python version, so tasks built from this interpreter's copies of held-out files are still unseen
 text. The bigram baseline is counted on this interpreter's copies of the training files.
 
-    python tools/build_tasks.py --checkpoint compiledllm/assets/tiny-llada2 --results docs/results/tiny_model.json \
+    python tools/train/build_tasks.py --checkpoint compiledllm/assets/tiny-llada2 --results docs/results/tiny_model.json \
         --tasks-out compiledllm/assets/tasks --eval
 
-With --synthetic it writes the generated-task files instead (tools/synth_tasks.py, from their fixed seed): arithmetic,
+With --synthetic it writes the generated-task files instead (tools/train/synth_tasks.py, from their fixed seed): arithmetic,
 lists, retrieval at 1K / 2K / 4K / 8K tokens of context and variable binding, text prompts and references sized with
 the tokenizer of --checkpoint (or, without one, the tokenizer train_tiny's new kinds train: byte-level BPE of
 --vocab tokens, digits split, on this interpreter's training files), filler from the held-out files:
 
-    python tools/build_tasks.py --synthetic --tasks-out compiledllm/assets/tasks [--checkpoint OUT/checkpoint]
+    python tools/train/build_tasks.py --synthetic --tasks-out compiledllm/assets/tasks [--checkpoint OUT/checkpoint]
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_data as D  # noqa: E402
-import train_tiny as T  # noqa: E402
+import tiny_data as D
+import train_kinds as K
+import train_tiny as T
 
 
 def main(argv=None) -> dict:
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     results["task_source"] = {
         "python": sys.version.split()[0], "root": str(D.stdlib_root()), "held_files": len(held_files),
         "held_files_in_training_run": len({f.rel for f in held_files} & set(results["data"]["held_file_list"])),
-        "built_by": "tools/build_tasks.py"}
+        "built_by": "tools/train/build_tasks.py"}
     if args.eval:
         t0 = time.time()
         table = D.bigram_table(D.token_stream(D.encode_files(tok, train_files)), tok.get_vocab_size())
@@ -92,7 +92,6 @@ def main(argv=None) -> dict:
 
 
 def synthetic(args) -> dict:
-    import train_kinds as K
     from tokenizers import Tokenizer
 
     files = D.read_corpus(D.stdlib_root())

@@ -8,7 +8,7 @@
     (ungated, so every window slot is live) vs one of `t2t`; with the tokens per forward of (a) this gives a
     projected tokens/s, labelled as a projection (a trained LLaDA2.1's TPF differs from the tiny model's).
 
-    python tools/bench_flowblock.py --out docs/results/bench_flowblock_h200.json
+    python tools/bench/bench_flowblock.py --out docs/results/bench_flowblock_h200.json
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from compiledllm.policies.t2t import T2TConfig, T2TPolicy
 from compiledllm.recipe import load_recipe
 from compiledllm.runner import execute
 
-TASKS = Path(__file__).resolve().parents[1] / "compiledllm/assets/tasks/code_short.jsonl"
+TASKS = Path(__file__).resolve().parents[2] / "compiledllm/assets/tasks/code_short.jsonl"
 T2T = {"threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16, "block_size": 32}
 POLICIES = {"t2t": {"name": "t2t", **T2T},
             "flowblock W2 s0.6": {"name": "flowblock", "window": 2, "spawn": 0.6, **T2T},

@@ -8,7 +8,7 @@ request and for how long (mean, max: the bound is one forward), time to the firs
 latency (p50 / p99), output tokens/s. The engine's rule: with rows decoding, one prefill forward (<= `tokens`
 positions, chunks of `chunk` positions per row) runs before each decode step.
 
-    python tools/bench_interleave.py --prompt-len 32000 --rate 2 --requests 24 --batch 8 \
+    python tools/bench/bench_interleave.py --prompt-len 32000 --rate 2 --requests 24 --batch 8 \
         --configs 1024:16384,2048:16384,4096:16384,4096:65536 --out docs/results/bench_interleave_h200.json
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ layers for prefill that this tool measured and the engine then dropped: faster a
 Roofline: FLOPs of the prompt's full blocks (2 x active parameters per token, plus attention: 4 x heads x
 head_dim x layers per visible (query, key) pair, block-causal) / the bf16 matmul rate measured in this run.
 
-    python tools/bench_prefill.py --out docs/results/bench_prefill_h200.json
+    python tools/bench/bench_prefill.py --out docs/results/bench_prefill_h200.json
 """
 from __future__ import annotations
 

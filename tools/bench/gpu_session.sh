@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the quickstart on CUDA, then the benchmarks. Writes under $OUT.
-# Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/gpu_session.sh
+# Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/bench/gpu_session.sh
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
-# steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/kernel_table.py, eager vs compiled) and
-# attention (packed-attention GPU tests of both kernels, then tools/bench_attention.py, CuPy vs Triton), grid (the
+# steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/bench/kernel_table.py, eager vs compiled) and
+# attention (packed-attention GPU tests of both kernels, then tools/bench/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
-# (tools/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
-# sampling (tools/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
+# (tools/bench/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
+# sampling (tools/bench/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
 # attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,7 +27,7 @@ fi
 if has attention; then
   timeout ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/attention/test_packed_attention.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/attention_tests.log" | tail -6
-  timeout ${ATTN_TIMEOUT:-200} python3 tools/bench_attention.py --out "$OUT/bench_attention_h200.json" \
+  timeout ${ATTN_TIMEOUT:-200} python3 tools/bench/bench_attention.py --out "$OUT/bench_attention_h200.json" \
     ${ATTN_ARGS:---batches 8,32,64 --prefixes 4096,32768 --qlens 32 --no-baselines --sweep --budget-s 120} 2>&1 \
     | grep -v -i warn | tee "$OUT/bench_attention.log" | tail -25
 fi
@@ -38,19 +38,19 @@ if has quickstart; then
   done
 fi
 if has sampling; then  # what temperature / top-k / top-p cost: captured steps and end to end, greedy in the same run
-  timeout ${SAMPLING_TIMEOUT:-300} python3 tools/bench_sampling.py --out "$OUT/bench_sampling_h200.json" ${SAMPLING_ARGS:-} \
+  timeout ${SAMPLING_TIMEOUT:-300} python3 tools/bench/bench_sampling.py --out "$OUT/bench_sampling_h200.json" ${SAMPLING_ARGS:-} \
     2>&1 | grep -v -i warn | tee "$OUT/bench_sampling.log" | tail -12
 fi
 if has moe; then
-  timeout ${MOE_TIMEOUT:-150} python3 tools/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
+  timeout ${MOE_TIMEOUT:-150} python3 tools/bench/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
     | tee "$OUT/bench_moe.log" | tail -8
 fi
 if has head; then
-  timeout ${HEAD_TIMEOUT:-120} python3 tools/bench_head.py --out "$OUT/bench_head_h200.json" ${HEAD_ARGS:-} 2>&1 \
+  timeout ${HEAD_TIMEOUT:-120} python3 tools/bench/bench_head.py --out "$OUT/bench_head_h200.json" ${HEAD_ARGS:-} 2>&1 \
     | tee "$OUT/bench_head.log" | tail -8
 fi
 if has decode; then
-  timeout ${BENCH_TIMEOUT:-210} python3 tools/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout ${BENCH_TIMEOUT:-210} python3 tools/bench/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
 fi
 if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + graphs, with the step's split: one
@@ -59,13 +59,13 @@ if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + 
   gpus=$(nvidia-smi -L | wc -l)
   for ((i = 0; i < gpus; i++)); do
     CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$((${CPUS:-$(nproc)} / gpus)) timeout ${GRID_TIMEOUT:-540} \
-      python3 tools/bench_decode.py --modes eager,graphs,compiled+graphs --split --shard $i/$gpus \
+      python3 tools/bench/bench_decode.py --modes eager,graphs,compiled+graphs --split --shard $i/$gpus \
       ${GRID_RESUME:+--resume $GRID_RESUME} --out "$OUT/bench_decode_grid_shard$i.json" 2>&1 | grep -v -i warn \
       > "$OUT/bench_decode_grid_shard$i.log" &
   done
   wait
   tail -n 3 "$OUT"/bench_decode_grid_shard*.log
-  python3 tools/bench_decode.py --merge --resume ${GRID_RESUME:-} $(ls "$OUT"/bench_decode_grid_shard*.json) \
+  python3 tools/bench/bench_decode.py --merge --resume ${GRID_RESUME:-} $(ls "$OUT"/bench_decode_grid_shard*.json) \
     --out "$OUT/bench_decode_grid_h200.json" 2>&1 | tee "$OUT/bench_decode_grid.log" | tail -30
 fi
 if has versus; then  # this tree against an earlier commit's tree in .base/ (git archive REV compiledllm tools), same
@@ -75,46 +75,47 @@ if has versus; then  # this tree against an earlier commit's tree in .base/ (git
     [ "$round" = 2 ] && modes=${VERSUS_MODES2:-graphs}
     for side in base new; do
       dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
-      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${VERSUS_TIMEOUT:-280} python3 tools/bench_decode.py \
+      bench=tools/bench/bench_decode.py; [ -f "$dir/$bench" ] || bench=tools/bench_decode.py  # a base from before tools/bench/
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${VERSUS_TIMEOUT:-280} python3 $bench \
         --plan "${VERSUS_PLAN:-llada2.0-mini:4096,32768}" --batches "${VERSUS_BATCHES:-32}" --modes "$modes" \
         --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -4)
     done
   done
 fi
 if has prefill; then  # issue 19: prefill through the engine (batched chunks) vs the one-row path
-  timeout ${PREFILL_TIMEOUT:-300} python3 tools/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
+  timeout ${PREFILL_TIMEOUT:-300} python3 tools/bench/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
     2>&1 | grep -v -i warn | tee "$OUT/bench_prefill.log" | tail -12
 fi
 if has moeprefill; then  # issue 19: routed experts at prefill sizes against the dense GEMM rate, tile sweep
-  timeout ${MOEP_TIMEOUT:-200} python3 tools/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
+  timeout ${MOEP_TIMEOUT:-200} python3 tools/bench/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
     --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
 fi
 if has e2e; then  # issue 19: compiledllm bench end to end (4K-32K, outputs 512, the probed largest batch), SDAR-8B,
-  # and prefill interleaved under a request rate; ideal / share: tools/e2e_ideal.py on the JSON afterwards
-  python3 -c "import json, sys; sys.path.insert(0, 'tools'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
+  # and prefill interleaved under a request rate; ideal / share: tools/bench/e2e_ideal.py on the JSON afterwards
+  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
   R=recipes/profile_llada2_mini.yaml
   timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --prompt-len 4096,16000,32000 --output-len 512 \
     --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep -v -i warn | tail -8
   timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set model.config=sdar-8b --prompt-len 16000,32000 \
     --output-len 256 --batch 1,8,max --out "$OUT/e2e_sdar.json" 2>&1 | grep -v -i warn | tail -8
-  timeout ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
+  timeout ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
 fi
 if has attnbase; then  # issue 19: the CuPy / Triton kernels against static Flex (and FlashInfer where carried in .fi/)
   if [ -f .fi/fi_site.tar.xz ]; then
     tar -xJf .fi/fi_site.tar.xz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
   fi
-  timeout ${ATTNB_TIMEOUT:-300} python3 tools/bench_attention.py --heads ${ATTNB_HEADS:-16/4,32/8} --batches 8,32 \
+  timeout ${ATTNB_TIMEOUT:-300} python3 tools/bench/bench_attention.py --heads ${ATTNB_HEADS:-16/4,32/8} --batches 8,32 \
     --prefixes 4096,32768 --qlens 32 --flashinfer-backends ${ATTNB_FI:-fa2} --budget-s ${ATTNB_BUDGET:-240} \
     --out "$OUT/bench_attention_baselines_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_attention_baselines.log" | tail -30
 fi
 if has compiled; then
-  timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
+  timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
     --batches "${COMPILED_BATCHES:-32,max}" --modes "${COMPILED_MODES:-graphs,compiled+graphs}" \
     --out "$OUT/bench_decode_compiled_h200.json" \
     2>&1 | grep -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
 fi
 if has kernels; then
-  timeout ${KERNELS_TIMEOUT:-200} python3 tools/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
+  timeout ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
     --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep -v -i warn | tail -60
 fi
 if has profile; then  # compiledllm profile on CUDA: 8 prompts of 4096 random ids (eager, phases attributed per kernel)
@@ -128,7 +129,7 @@ if has selection; then  # build, the CPU selection tests (AMX ones fail, not ski
   if python3 setup.py build_ext --inplace -q >"$OUT/selection_build.log" 2>&1; then
     timeout ${SEL_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/kv/test_cpu_select.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/cpu_select_tests.log" | tail -12
-    timeout ${SEL_TIMEOUT:-200} python3 tools/bench_selection.py --out "$OUT/bench_selection_h200.json" ${SEL_ARGS:-} \
+    timeout ${SEL_TIMEOUT:-200} python3 tools/bench/bench_selection.py --out "$OUT/bench_selection_h200.json" ${SEL_ARGS:-} \
       2>&1 | tee "$OUT/bench_selection.log" | tail -30
   else
     echo "selection: build_ext failed, see selection_build.log"; tail -20 "$OUT/selection_build.log"

@@ -1,6 +1,7 @@
-"""Model card (README.md) of the tiny-llada2.1 and tiny-llada checkpoints written by tools/train_kinds.py."""
+"""Model card (README.md) of the tiny-llada2.1 and tiny-llada checkpoints written by tools/train/train_kinds.py."""
 from __future__ import annotations
 
+import tiny_common as C
 import tiny_data as D
 
 TARGETS = (  # issue 15, target 4: (task file, metric, policy, threshold)
@@ -172,8 +173,6 @@ def summary_table(results: dict) -> str:
 
 
 def model_card(results: dict) -> str:
-    import train_tiny as T
-
     kind, c, d, t = results["kind"], results["config"], results["data"], results["training"]
     mix, a = d["mix"], results["args"]
     calls = t.get("calls", [])
@@ -192,7 +191,7 @@ def model_card(results: dict) -> str:
     return f"""# {kind}
 
 A small {'block' if kind == 'tiny-llada2.1' else 'masked'}-diffusion language model trained from scratch by
-`tools/train_tiny.py --kind {kind}` on the Python standard library mixed with generated tasks whose answers are
+`tools/train/train_tiny.py --kind {kind}` on the Python standard library mixed with generated tasks whose answers are
 exact (arithmetic, list sorting / reversing / copying, key -> value retrieval over long context, variable binding
 in code), so that compiledllm's decoding policies have a checkpoint whose quality can move.
 
@@ -205,8 +204,8 @@ chat-tuned.
 ## Data and split
 `*.py` files under the training interpreter's stdlib (Python {d['python']}, `{d['root']}`): {d['files']} files, split by
 sha1(relative path) (held out: {d['held_files']} files, never trained on; training: {d['train_files']} files,
-{d['train_tokens']:,} tokens). The tokenizer was trained on the training files only. Mixed with `tools/synth_tasks.py`'s
-generators in windows (`tools/tiny_mix.py`): short steps draw each window as code ({mix['shares'][0]:.0%}),
+{d['train_tokens']:,} tokens). The tokenizer was trained on the training files only. Mixed with `tools/train/synth_tasks.py`'s
+generators in windows (`tools/train/tiny_mix.py`): short steps draw each window as code ({mix['shares'][0]:.0%}),
 packed short tasks ({mix['shares'][1]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['short_kinds'])}) or packed
 lookup samples of {mix['lookup_len'][0]}-{mix['lookup_len'][1]} tokens ({mix['shares'][2]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['lookup_kinds'])});
 a task ends with its reference (" answer\\n"), EOS and {mix['eos_pad'][0]}-{mix['eos_pad'][1]} EOS of padding (so the masks
@@ -230,11 +229,11 @@ including tokenizer, tasks and evaluation). Final training loss {t['final'].get(
 Loss curve: `loss_curve.png` of the run. Reproduce: `{results['command']}`{repro}.
 
 ## Held-out metrics
-{T.metrics_tables(results)}
+{C.metrics_tables(results)}
 {targets_md}
 ## Limitations
 * A {results['parameters'] / 1e6:.0f}M-parameter model trained for minutes: its Python is plausible at best, and it
-  knows the generated task formats only as they were generated (`tools/synth_tasks.py`); other phrasings fail.
+  knows the generated task formats only as they were generated (`tools/train/synth_tasks.py`); other phrasings fail.
 * One-forward needle ablation is a diagnostic of whether the answer comes from the needle, not the engine's decode.
 * tokens/forward counts the reference's tokens (a task file's `max_new_tokens`{new_range}) per forward, while the decode
   fills whole 32-token blocks: below 1 on the short-answer files does not mean less than one commit per forward.

@@ -3,9 +3,9 @@
 
 One run does everything (so one GPU call produces the checkpoint and its numbers):
   1. corpus: the running interpreter's stdlib *.py files, split train / held out by sha1(relative path)
-     (tools/tiny_data.py says exactly which files);
+     (tools/train/tiny_data.py says exactly which files);
   2. tokenizer: byte-level BPE trained on the training files (<|endoftext|> EOS, <|pad|>, <|mask|>);
-  3. line-completion task files from held-out files (tools/tiny_data.build_tasks): code_short.jsonl (finish a
+  3. line-completion task files from held-out files (tools/train/tiny_data.build_tasks): code_short.jsonl (finish a
      line of a function body, the function as context) and code_long.jsonl (1,500-1,920 tokens of the same file
      as context, cut right before a use of a name defined >= 1,000 tokens above);
   4. training with the project's own model class (LLaDA2 MoE layout: dense first layer, 8 experts top-2 with
@@ -29,51 +29,42 @@ Objective (BD3-LM / LLaDA2 block diffusion + LLaDA2.1 token-to-token editing), p
 MoE routers are balanced without an auxiliary loss (DeepSeek-V3 style): after each step every layer's
 expert_bias moves by --bias-rate towards equal expert load.
 
-Usage (the shipped checkpoint): python tools/train_tiny.py --out /tmp/tiny --time-budget 420
-Smoke test: python tools/train_tiny.py --preset tiny --steps 3 --max-files 40 --out /tmp/t
+Usage (the shipped checkpoint): python tools/train/train_tiny.py --out /tmp/tiny --time-budget 420
+Smoke test: python tools/train/train_tiny.py --preset tiny --steps 3 --max-files 40 --out /tmp/t
 
 Everything above is the legacy kind, `--kind tiny-llada2` (the default, kept as it was so that the shipped model's
 command reproduces it). `--kind tiny-llada2.1` (LLaDA2 MoE, 16 experts, context 8192, block diffusion + T2T) and
 `--kind tiny-llada` (LLaDA, bidirectional MHA, context 2048, masked diffusion) train on the stdlib mixed with
-generated tasks (tools/train_kinds.py, tools/tiny_mix.py, tools/synth_tasks.py), resume with `--resume DIR/state`
+generated tasks (tools/train/train_kinds.py, tools/train/tiny_mix.py, tools/train/synth_tasks.py), resume with `--resume DIR/state`
 (or a --package-state folder), and by default end by --deadline 560 s:
-  python tools/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21
-  python tools/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b
-  python tools/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21 --state-dtype bfloat16 --package $OUT --package-state
-  python tools/train_tiny.py --kind tiny-llada2.1 --resume $OUT_FOLDER --out /tmp/l21c
+  python tools/train/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21
+  python tools/train/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b
+  python tools/train/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21 --state-dtype bfloat16 --package $OUT --package-state
+  python tools/train/train_tiny.py --kind tiny-llada2.1 --resume $OUT_FOLDER --out /tmp/l21c
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import shutil
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_data as D  # noqa: E402
-
-from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask  # noqa: E402
-from compiledllm.builtin import init_random  # noqa: E402
-from compiledllm.loader import load_model, materialize, parse_model_config  # noqa: E402
-from tiny_fast import attach_load_counters, balance_experts, detach_load_counters  # noqa: E402,F401
-from compiledllm.policies.plan import Forward  # noqa: E402
-from compiledllm.save import save_model  # noqa: E402
-from compiledllm.tokenizer import TextTokenizer  # noqa: E402
+import tiny_card
+import tiny_data as D
+import train_kinds
+from compiledllm.loader import load_model
+from compiledllm.save import save_model
+from compiledllm.tokenizer import TextTokenizer
+from tiny_common import (CODE_TASKS, Log, bd_logits, build_model, eval_tasks, make_optimizer, masked_accuracy,
+                         metrics_tables, package, task_note)
+from tiny_fast import attach_load_counters, balance_experts, detach_load_counters
 
 BLOCK_SIZES = (4, 8, 16, 32, 64)
-RATIOS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
-EVAL_POLICIES = [
-    {"label": "threshold-0.95", "name": "threshold", "block_size": 32, "threshold": 0.95},
-    {"label": "threshold-0.9", "name": "threshold", "block_size": 32, "threshold": 0.9},
-    {"label": "t2t", "name": "t2t", "block_size": 32, "threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16},
-]
 
 # Architecture of each preset (vocab_size and max_position_embeddings are filled in from the run).
 PRESETS = {
@@ -81,13 +72,12 @@ PRESETS = {
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
              "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
              "run": {"vocab": 4096, "seq_len": 2048, "batch": 16},
-             "tasks": {"n_short": 64, "n_long": 64, "max_ref": 16}},
+             "tasks": CODE_TASKS["full"]},
     "tiny": {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
              "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
              "run": {"vocab": 384, "seq_len": 128, "batch": 2},
-             "tasks": {"n_short": 4, "n_long": 4, "max_ref": 8, "short_max_prompt": 48, "long_min_prompt": 64,
-                       "long_max_prompt": 96, "far": 24, "quiet": 8, "short_pre": 8}},
+             "tasks": CODE_TASKS["tiny"]},
 }
 
 
@@ -159,8 +149,6 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.kind != "tiny-llada2":
-        import train_kinds
-
         train_kinds.fill_defaults(args)
         if args.package_state and (args.package is None or args.state_dtype != "bfloat16"):
             raise SystemExit("--package-state: needs --package DIR and --state-dtype bfloat16 (a float32 state is "
@@ -174,25 +162,6 @@ def parse_args(argv=None):
     args.seq_len = args.seq_len or run["seq_len"]
     args.batch = args.batch or run["batch"]
     return args
-
-
-class Log:
-    """Progress lines to stdout and to train_log.txt beside `path`; records (keyword arguments) to `path` (JSONL)."""
-
-    def __init__(self, path: Path, append: bool = False):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a" if append else "w")
-        self.text = path.with_suffix(".txt").open("a" if append else "w")
-        self.t0 = time.time()
-
-    def __call__(self, msg: str, **rec) -> None:
-        line = f"[{time.time() - self.t0:7.1f}s] {msg}"
-        print(line, flush=True)
-        self.text.write(line + "\n")
-        self.text.flush()
-        if rec:
-            self.file.write(json.dumps({"t": round(time.time() - self.t0, 2), **rec}) + "\n")
-            self.file.flush()
 
 
 # --------------------------------------------------------------------------------------------- objective
@@ -219,24 +188,6 @@ def noise(x0: torch.Tensor, bid: torch.Tensor, gen, vocab: int, p_t2t: float, ma
     return xt, masked, corrupt
 
 
-def bd_mask(bid: torch.Tensor) -> torch.Tensor:
-    """[B, 2L, 2L] bool for [x_t ; x0]: noisy i sees noisy block(i) and clean blocks < block(i);
-    clean i sees clean blocks <= block(i); clean never sees noisy."""
-    q, k = bid[:, :, None], bid[:, None, :]
-    top = torch.cat([q == k, k < q], dim=2)
-    bottom = torch.cat([torch.zeros_like(k <= q), k <= q], dim=2)
-    return torch.cat([top, bottom], dim=1)
-
-
-def bd_logits(model, xt: torch.Tensor, x0: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
-    """Float32 logits [B, L, V] of the noisy copy under the block-diffusion mask."""
-    B, L = x0.shape
-    pos = torch.arange(L, device=x0.device).repeat(2)[None].expand(B, 2 * L)
-    idx = torch.arange(L, device=x0.device)[None].expand(B, L)
-    return model(Forward(torch.cat([xt, x0], 1), pos, AttentionSpec(ExplicitMask(bd_mask(bid))), logits_at=idx,
-                         float_logits=True))
-
-
 def loss_terms(logits, x0, masked, corrupt, keep_weight):
     V = logits.shape[-1]
     ce = F.cross_entropy(logits.reshape(-1, V), x0.reshape(-1), reduction="none").view_as(x0)
@@ -260,26 +211,6 @@ def lr_at(step: int, total: int | None, args) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- training
-
-def build_model(cfg: dict, device, seed: int):
-    model = materialize(parse_model_config(cfg, "train_tiny"), device, torch.float32)
-    init_random(model, seed, std=0.02, embed_std=0.02)
-    with torch.no_grad():  # GPT-2 style: residual output projections scaled by 1/sqrt(2 * layers)
-        scale = (2 * model.config.num_layers) ** -0.5
-        for name, p in model.named_parameters():
-            if name.endswith(("attn.o.weight", "down.weight", "w_down")):
-                p.mul_(scale)
-    return model.requires_grad_(True).train()
-
-
-def make_optimizer(model, args):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = args.device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-
 
 def train(model, stream: torch.Tensor, held_stream: torch.Tensor, args, log: Log, deadline_at: float) -> dict:
     dev, B, L, V = args.device, args.batch, args.seq_len, model.config.vocab_size
@@ -379,162 +310,17 @@ def train(model, stream: torch.Tensor, held_stream: torch.Tensor, args, log: Log
             "final": history[-1] if history else {}, "history": history}
 
 
-# -------------------------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def masked_accuracy(model, held_stream: torch.Tensor, L: int, n_windows: int, seed: int, batch: int = 8,
-                    modes: tuple[str, ...] = ("block_32", "bidirectional")) -> dict:
-    """Masked-token accuracy of held-out windows by masking ratio: block diffusion with block 32 (clean earlier
-    blocks, every block masked at the ratio) and fully bidirectional (the whole window masked at the ratio)."""
-    dev = model.device
-    n = min(n_windows, max(1, (held_stream.numel() - 1) // L))
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    starts = torch.arange(n, device=dev) * L
-    out = {"windows": n, "window_tokens": L, **{m: {} for m in modes}}
-    for r in RATIOS:
-        hit = {m: 0.0 for m in modes}
-        cnt = 0.0
-        for b0 in range(0, n, batch):
-            x0 = held_stream[starts[b0 : b0 + batch, None] + torch.arange(L, device=dev)]
-            masked = torch.rand(x0.shape, generator=gen, device=dev) < r
-            masked[:, 0] |= ~masked.any(1)
-            xt = torch.where(masked, D.MASK, x0)
-            bid = (torch.arange(L, device=dev) // 32)[None].expand_as(x0)
-            preds = {}
-            if "block_32" in modes:
-                preds["block_32"] = bd_logits(model, xt, x0, bid)
-            if "bidirectional" in modes:
-                preds["bidirectional"] = model(Forward(xt, torch.arange(L, device=dev)[None].expand_as(x0),
-                                                       AttentionSpec(BlockCausal(L)), float_logits=True))
-            for k, lg in preds.items():
-                lg[..., D.MASK] = float("-inf")
-                hit[k] += ((lg.argmax(-1) == x0) & masked).sum().item()
-            cnt += masked.sum().item()
-        for k in hit:
-            out[k][str(r)] = hit[k] / max(cnt, 1)
-    return out
-
-
-def eval_tasks(model, task_files: dict[str, Path], table, batch_size: int, log: Log, deadline_at: float,
-               limit: int | None = None, tokenizer=None, policies: list[dict] | None = None) -> dict:
-    """Every task file through the engine with `policies` (EVAL_POLICIES); text tasks are encoded with `tokenizer`."""
-    from compiledllm.evaluate import continuation_scores, evaluate, load_tasks
-
-    res = {}
-    for name, file in task_files.items():
-        if not file.read_text().strip():
-            res[name] = {"skipped": "no tasks"}
-            continue
-        tasks = load_tasks(file, tokenizer, limit=limit)
-        if time.time() > deadline_at:
-            log(f"skipping {name}: past the deadline")
-            res[name] = {"skipped": "deadline"}
-            continue
-        try:
-            r = evaluate(model, tasks, policies or EVAL_POLICIES, batch_size=batch_size, cuda_graphs=False)
-        except Exception as e:  # keep the run's other results; say what failed
-            log(f"engine eval of {name} on {model.device} failed: {e!r}")
-            res[name] = {"error": repr(e)}
-            continue
-        outs = [D.bigram_generate(table, t.prompt_ids, len(t.reference_ids)) for t in tasks]
-        r["baseline_bigram"] = continuation_scores(outs, [t.reference_ids for t in tasks])
-        r["samples"] = [{"id": t.id, "reference_ids": t.reference_ids,
-                         **{lb: r["outputs"][lb][i] for lb in r["outputs"]}} for i, t in enumerate(tasks[:3])]
-        del r["outputs"]
-        res[name] = r
-        log(f"{name}: " + ", ".join(f"{lb} EM {m['exact_match']:.3f} acc {m['token_accuracy']:.3f} "
-                                    f"tpf {m['tokens_per_forward']:.2f}" for lb, m in r["policies"].items())
-            + f"; bigram EM {r['baseline_bigram']['exact_match']:.3f} acc {r['baseline_bigram']['token_accuracy']:.3f}")
-    return res
-
-
 # ------------------------------------------------------------------------------------------------ report
-
-def metrics_tables(results: dict) -> str:
-    lines = []
-    ma = results.get("masked_accuracy")
-    if ma:
-        lines += [f"Masked-token accuracy on {ma['windows']} held-out windows of {ma['window_tokens']} tokens "
-                  "(argmax over the vocabulary without MASK):", "",
-                  "| masking ratio | " + " | ".join(str(r) for r in RATIOS) + " |",
-                  "|---|" + "---:|" * len(RATIOS)]
-        for mode, name in (("block_32", "block diffusion, block 32"), ("bidirectional", "bidirectional")):
-            if mode not in ma:
-                continue
-            lines.append(f"| {name} | " + " | ".join(f"{ma[mode][str(r)]:.3f}" for r in RATIOS) + " |")
-        lines.append("")
-    lines += synthetic_summary(results)
-    for fname, r in results.get("tasks", {}).items():
-        if "policies" not in r:
-            lines += [f"{fname}: not evaluated ({r})", ""]
-            continue
-        lines += [f"`{fname}` ({r['tasks']} tasks, {r['max_new_tokens']} new tokens, engine on {results.get('eval_device')}, "
-                  f"float32; agreement is with `{r['reference']}`):", "",
-                  "| policy | exact match | token acc | prefix tokens | agreement | forwards | tokens/forward |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for lb, m in r["policies"].items():
-            lines.append(f"| `{lb}` | {m['exact_match']:.3f} | {m['token_accuracy']:.3f} | {m['prefix_tokens']:.2f} "
-                         f"| {m['agreement']:.3f} | {m['forwards']} | {m['tokens_per_forward']:.2f} |")
-        b = r["baseline_bigram"]
-        lines += [f"| bigram baseline (greedy) | {b['exact_match']:.3f} | {b['token_accuracy']:.3f} | "
-                  f"{b['prefix_tokens']:.2f} | - | - | - |", ""]
-    ab = results.get("long_context_ablation")
-    if ab:
-        lines += [f"Long-context ablation ({ab['note']}; `{ab['policy']}`):", "",
-                  "| prompt | exact match | token acc | prefix tokens |", "|---|---:|---:|---:|"]
-        for key, m in ab.items():
-            if isinstance(m, dict):
-                name = "full (1,500-1,920 tokens)" if key == "full" else key.replace("_", " ") + " tokens"
-                lines.append(f"| {name} | {m['exact_match']:.3f} | {m['token_accuracy']:.3f} | {m['prefix_tokens']:.2f} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def synthetic_summary(results: dict) -> list[str]:
-    """One row per evaluated task file: exact match and tokens per forward of each policy, and the needle ablation."""
-    tasks = {k: v for k, v in results.get("tasks", {}).items() if "policies" in v}
-    if not tasks or "kind" not in results:
-        return []
-    labels = list(next(iter(tasks.values()))["policies"])
-    lines = ["Summary (exact match / tokens per forward; the engine on the saved bf16 weights in float32):", "",
-             "| task file | tasks | " + " | ".join(f"`{lb}`" for lb in labels) + " |", "|---|---:|" + "---:|" * len(labels)]
-    for name, r in tasks.items():
-        cells = [f"{r['policies'][lb]['exact_match']:.3f} / {r['policies'][lb]['tokens_per_forward']:.2f}"
-                 if lb in r["policies"] else "-" for lb in labels]
-        lines.append(f"| `{name}` | {r['tasks']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    ab = results.get("needle_ablation")
-    if ab:
-        lines += [("Needle ablation (one forward: the prompt, then as many masks as the reference has tokens; argmax "
-                   "exact match with every query seeing the needle, and with the needle's tokens hidden from every "
-                   "query; chance is ~0, the answers are 5-digit values):"), "",
-                  "| task file | tasks | exact match | needle hidden |", "|---|---:|---:|---:|"]
-        for name, a in ab.items():
-            lines.append(f"| `{name}` | {a['tasks']} | {a['exact_match_full']:.3f} | {a['exact_match_needle_hidden']:.3f} |")
-        lines.append("")
-    return lines
-
-
-def task_note(results: dict) -> str:
-    src = results.get("task_source")
-    if not src:
-        return ""
-    return (f" The shipped task files were built after training by `tools/build_tasks.py` from Python {src['python']}'s "
-            f"copies of the held-out files (`{src['root']}`; the split goes by relative path, so none of these files "
-            f"was in the training data); the bigram baseline counts {results.get('bigram_source', 'the training files')}.")
-
 
 def model_card(results: dict) -> str:
     if results.get("kind", "tiny-llada2") != "tiny-llada2":
-        import tiny_card
-
         return tiny_card.model_card(results)
     c, d, t = results["config"], results["data"], results["training"]
     params = results["parameters"]
     return f"""# tiny-llada2
 
 A small block-diffusion language model of the LLaDA2.0/2.1 MoE layout (`LLaDA2MoeModelLM`), trained from
-scratch by `tools/train_tiny.py` on the Python standard library so that compiledllm has a real checkpoint:
+scratch by `tools/train/train_tiny.py` on the Python standard library so that compiledllm has a real checkpoint:
 confident where code is predictable, unsure where it is not. It writes plausible Python; it knows nothing else.
 
 ## Architecture
@@ -591,28 +377,10 @@ Reproduce: `{results['command']}`.
 """
 
 
-def package(out: Path, dest: Path | None, state: bool = False) -> None:
-    """Copy the weights (state: and the state's shards) and a tarball of every other output file to `dest`
-    (the device run's $OUT: files of at most 16 MiB, all in one folder)."""
-    if dest is None:
-        return
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in [*(out / "checkpoint").glob("*.safetensors"), *((out / "state").glob("*.safetensors") if state else ())]:
-        shutil.copy2(f, dest / f.name)
-    tmp = dest / "bundle.tar.gz.tmp"
-    with tarfile.open(tmp, "w:gz") as tar:
-        for f in sorted(out.rglob("*")):
-            if f.is_file() and f.suffix != ".safetensors":
-                tar.add(f, arcname=str(f.relative_to(out)))
-    tmp.replace(dest / "bundle.tar.gz")
-
-
 def main(argv=None) -> dict:
     t0 = time.time()
     args = parse_args(argv)
     if args.kind != "tiny-llada2":
-        import train_kinds
-
         return train_kinds.main(args, t0)
     deadline_at = t0 + (args.deadline if args.deadline is not None else 1e9)
     torch.manual_seed(args.seed)
@@ -656,7 +424,7 @@ def main(argv=None) -> dict:
     model.tokenizer = TextTokenizer(tok, tok_cfg)
     ckpt = out / "checkpoint"
     weight_files = save_model(model, ckpt, cfg, dtype=torch.bfloat16)
-    command = "python tools/train_tiny.py --out OUT" + ("" if args.preset == "full" else f" --preset {args.preset}") + \
+    command = "python tools/train/train_tiny.py --out OUT" + ("" if args.preset == "full" else f" --preset {args.preset}") + \
         f" --steps {training['steps']}" + (f" --seed {args.seed}" if args.seed else "")
     results = {"command": command, "config": cfg, "parameters": params,
                "weights_bytes": sum(f.stat().st_size for f in weight_files),

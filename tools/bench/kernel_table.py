@@ -3,7 +3,7 @@
 Where `compiledllm profile` attributes time to the model's phases (eager only), this lists kernels, so that
 what torch.compile generated can be compared with the eager step kernel by kernel.
 
-    python tools/kernel_table.py --preset llada2.0-mini --context 4096 --batch 32 --out kernels.json
+    python tools/bench/kernel_table.py --preset llada2.0-mini --context 4096 --batch 32 --out kernels.json
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 colour per context, this engine (measured on one H200) against the published figures of other engines (normalised
 to one H200 by HBM bandwidth ratio).
 
-    python3 tools/plot_headline.py             # writes docs/results/headline_decode_h200.png
-    python3 tools/plot_headline.py --tables    # prints docs/results.md's decode and peers tables (markdown)
+    python3 tools/plots/plot_headline.py             # writes docs/results/headline_decode_h200.png
+    python3 tools/plots/plot_headline.py --tables    # prints docs/results.md's decode and peers tables (markdown)
 
 Everything is read from JSON under docs/results/: this engine's figures from the benchmark files named by the
-arguments (the run-6 grid of tools/bench_decode.py, the session-7 re-run, the session-7 end-to-end runs), the peers'
+arguments (the run-6 grid of tools/bench/bench_decode.py, the session-7 re-run, the session-7 end-to-end runs), the peers'
 from headline_peers.json, where each published figure is typed in with its source, hardware and setting. A peer's
 figure is normalised as tokens/s x (H200 HBM) / (its GPU count x its GPU's HBM), datasheet bandwidths on both
 sides: decode steps of these models stream their weights and KV once per step, so the bandwidth ratio is the most a
@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 
-RESULTS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "results"))
+RESULTS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "results"))
 
 MODELS = [("llada2.0-mini", "LLaDA2.0-mini shape (16B MoE), random weights"),
           ("sdar-8b", "SDAR-8B shape (dense), random weights")]
@@ -224,7 +224,7 @@ def plot(args, grid, rerun, e2e, peers) -> None:
                  f"{d0['torch']}) and other engines' published figures (normalised to one H200 by HBM bandwidth "
                  "ratio;\ndifferent models/settings; published figures, not re-run here)", fontsize=11)
     fig.text(0.01, 0.005,
-             "This engine: tools/bench_decode.py, threshold tau 1.0 with 20 steps per block of 32 (tokens/s = batch x "
+             "This engine: tools/bench/bench_decode.py, threshold tau 1.0 with 20 steps per block of 32 (tokens/s = batch x "
              "32 / 21 forwards / step time), after a random-KV prefix of the context; prefill, admission and the "
              "host loop are not in it.\nRandom weights: at batch 1 a block of MASK tokens routes alike, so the MoE "
              "step touches few experts and the LLaDA2.0-mini batch-1 figures are flattering. Hollow marker = "

@@ -22,7 +22,7 @@ Baselines (each optional, --baselines):
                compiles each backend on first use (flashinfer_<backend>_first_call_s records it).
   sdpa         F.scaled_dot_product_attention with the dense mask, where it fits.
 
-    PYTHONPATH=. python tools/bench_attention.py --out bench.json [--sweep] [--quick] [--baselines ...]
+    PYTHONPATH=. python tools/bench/bench_attention.py --out bench.json [--sweep] [--quick] [--baselines ...]
 """
 import argparse
 import datetime

@@ -1,4 +1,4 @@
-"""Resumable training state of tools/train_tiny.py (safetensors + JSON, never pickle) and the loss-curve PNG.
+"""Resumable training state of tools/train/train_tiny.py (safetensors + JSON, never pickle) and the loss-curve PNG.
 
 A state directory holds
   train_state.json                 step, the run's config, the history so far, the calls that made it;
@@ -13,7 +13,7 @@ a parameter: 41 MB, which a device call can bring back and carry in beside the r
 the weights are rounded to bf16 once (<= 0.4 % relative), and the first moment restarts at zero and, with
 beta1 = 0.9, is rebuilt within ~20 steps, which the resume's lr re-warm-up covers; exp_avg_sq keeps its scale, so no
 step is oversized. Without moments (--state-weights-only: 2 bytes a parameter, 20 MB) AdamW starts afresh on
-resume, which the re-warm-up also covers. The batches need no generator state: tools/tiny_mix.py builds each from
+resume, which the re-warm-up also covers. The batches need no generator state: tools/train/tiny_mix.py builds each from
 (seed, step).
 A folder written by train_tiny.py --package --package-state (the state's shards beside bundle.tar.gz, which holds
 state/train_state.json and state/tokenizer.json) reads as a state directory too.

@@ -2,7 +2,7 @@
 sequential read bandwidth and a torch baseline, for LLaDA2.0-mini's shape (4 KV heads, G=4,
 head_dim 128) at 8K / 32K / 128K prefixes, 1 and 32 query tokens, selection only and with output.
 
-    python tools/bench_selection.py [--out docs/results/bench_selection_<host>.json] [--quick]
+    python tools/bench/bench_selection.py [--out docs/results/bench_selection_<host>.json] [--quick]
                                     [--forms auto,amx,fma]
 
 Each prefix runs B = 128K / S requests (one layer = 128 MiB of K), rotating over --layers copies so
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from compiledllm.kv import cpu_select as cs  # noqa: E402
 
 KVH, G, D = 4, 4, 128
@@ -93,11 +93,11 @@ def compute_rates(threads: int) -> dict:
     return out
 
 
-def form_used(rows: int) -> str:
-    """The dot-product form select() uses now for `rows` query rows per KV head."""
+def form_used(rows: int, form: str = "auto") -> str:
+    """The dot-product form select(..., dot_form=form) uses for `rows` query rows per KV head."""
     if cs.isa() != "avx512bf16":
         return "portable"
-    return cs.cpu_features()["dot_many_rows" if rows >= 16 else "dot"]
+    return cs.cpu_features(dot_form=form)["dot_many_rows" if rows >= 16 else "dot"]
 
 
 def torch_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, budget: int, scale: float):
@@ -126,9 +126,9 @@ def run_prefix(S: int, n_layers: int, threads: int, quick: bool, prefetch_grid: 
     rec: dict = {"prefix": S, "requests": B, "topk": budget, "layers_rotated": n_layers, "runs": []}
     min_s = 0.2 if quick else 0.6
 
-    def ours(q, want_out, pf):
-        return lambda i: cs.select(q, ks[i % n_layers], vs[i % n_layers], lengths, budget,
-                                   want_output=want_out, threads=threads, prefetch=pf[0], prefetch_l2=pf[1])
+    def ours(q, want_out, pf, form="auto"):
+        return lambda i: cs.select(q, ks[i % n_layers], vs[i % n_layers], lengths, budget, want_output=want_out,
+                                   threads=threads, prefetch=pf[0], prefetch_l2=pf[1], dot_form=form)
 
     chosen = dict(fixed) if fixed else {False: prefetch_grid[0], True: prefetch_grid[0]}  # per mode (output?)
     if not fixed and len(prefetch_grid) > 1:  # pick the software prefetch (distance in tiles, L2 or L1) on this machine
@@ -166,12 +166,8 @@ def run_prefix(S: int, n_layers: int, threads: int, quick: bool, prefetch_grid: 
             scanned = key_bytes * (2 if want_out else 1)
             tb = None  # the torch baseline once per (n_q, mode), shared by the forms
             for form in forms if n_q > 1 else ["auto"]:
-                cs.set_dot_form(form)
-                try:
-                    t = timeit(ours(q, want_out, chosen[want_out]), 3 if n_q > 1 else 5, 40, min_s)
-                    used = form_used(G * n_q)
-                finally:
-                    cs.set_dot_form("auto")
+                t = timeit(ours(q, want_out, chosen[want_out], form), 3 if n_q > 1 else 5, 40, min_s)
+                used = form_used(G * n_q, form)
                 if tb is None:
                     tb_reps = 2 if (quick or S * n_q >= 131072 * 32) else 3
                     tb = timeit(lambda i: torch_baseline(q, ks[i % n_layers], vs[i % n_layers] if want_out else None,

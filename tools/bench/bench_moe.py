@@ -16,8 +16,8 @@ prefill tiles for each kernel (the other at its default), then the best pair, an
 moe_triton.PREFILL_TILE_SPECS / PREFILL_PAIRS_PER_EXPERT / GROUPED_MM_FROM_PAIRS_PER_EXPERT that the table
 supports ("prefill_decision" in the JSON).
 
-    python tools/bench_moe.py --out docs/results/bench_moe_h200.json
-    python tools/bench_moe.py --batches "" --prefill-tokens 2048,8192,9792,16384,32768 --prefill-sweep --out x.json
+    python tools/bench/bench_moe.py --out docs/results/bench_moe_h200.json
+    python tools/bench/bench_moe.py --batches "" --prefill-tokens 2048,8192,9792,16384,32768 --prefill-sweep --out x.json
 """
 from __future__ import annotations
 

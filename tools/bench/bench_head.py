@@ -5,7 +5,7 @@ LLaDA2.0-mini's head (dim 2048, vocabulary 157184), tokens = batch x 32. A decod
 the still-masked rows: all at a block's first step, about half on average over a block. Times are replayed
 CUDA graphs (median); TFLOP/s counts only the wanted rows.
 
-    python tools/bench_head.py --out docs/results/bench_head_h200.json
+    python tools/bench/bench_head.py --out docs/results/bench_head_h200.json
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ over weights read, KV read and the head. The models route like a load-balanced t
 routing, models/routing.py; --routing random: the plain init of the figures before it), and each point reports
 the distinct experts every MoE layer touched over the timed block (`touched_experts`, the roofline's expert reads).
 
-    python tools/bench_decode.py --out docs/results/bench_decode_h200.json
+    python tools/bench/bench_decode.py --out docs/results/bench_decode_h200.json
 """
 from __future__ import annotations
 

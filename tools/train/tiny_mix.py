@@ -1,9 +1,9 @@
-"""Training batches of the tiny-llada2.1 and tiny-llada kinds (tools/train_tiny.py): windows of stdlib code and
-generated tasks (tools/synth_tasks.py), noised for the kind's objective, as numpy arrays.
+"""Training batches of the tiny-llada2.1 and tiny-llada kinds (tools/train/train_tiny.py): windows of stdlib code and
+generated tasks (tools/train/synth_tasks.py), noised for the kind's objective, as numpy arrays.
 
 A batch is a pure function of (seed, step): a run resumed at step s builds exactly the batches an uninterrupted
 run would have built, with no generator state to save, the CPU and the GPU see the same data, and any number of
-worker processes can build steps side by side (tools/train_kinds.py's loader).
+worker processes can build steps side by side (tools/train/train_kinds.py's loader).
 
 Curriculum (MixConfig.schedule, also a function of the step): over the first grow_steps steps the window shares
 move from early_shares (more short tasks) to shares, and the longest lookup sample of a short window grows from

@@ -3,7 +3,7 @@ weights, bf16, a vocabulary of 157K: the draw hashes noise for every vocabulary 
 against temperature 1 and against temperature 1 with top-k 50 + top-p 0.9, eager-captured and compiled-captured,
 all in one process; and end to end on the tiny model (`compiledllm run`'s execute, prefill included).
 
-    python tools/bench_sampling.py --out docs/results/bench_sampling_h200.json
+    python tools/bench/bench_sampling.py --out docs/results/bench_sampling_h200.json
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 from compiledllm.recipe import load_recipe
 from compiledllm.runner import execute
 
-TASKS = Path(__file__).resolve().parents[1] / "compiledllm/assets/tasks/code_short.jsonl"
+TASKS = Path(__file__).resolve().parents[2] / "compiledllm/assets/tasks/code_short.jsonl"
 BASE = ThresholdConfig(block_size=32, threshold=1.0, steps=20)
 SETTINGS = {"greedy": {}, "T=1": {"temperature": 1.0, "seed": 1},
             "T=1 top-k 50 top-p 0.9": {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "seed": 1}}

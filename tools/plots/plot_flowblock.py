@@ -1,7 +1,7 @@
 """TPF and quality against FlowBlock's admission gate theta_spawn, one line per window W, from an eval report of
 recipes/eval_flowblock.yaml (labels W<w>-s<spawn>; `t2t` drawn as the serial reference).
 
-    python tools/plot_flowblock.py docs/results/eval_flowblock_h200.json --out docs/results/flowblock_spawn_h200.png
+    python tools/plots/plot_flowblock.py docs/results/eval_flowblock_h200.json --out docs/results/flowblock_spawn_h200.png
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training-only paths of tools/train_tiny.py: the attention layouts of the training forwards and the MoE's
+"""Training-only paths of tools/train/train_tiny.py: the attention layouts of the training forwards and the MoE's
 routed experts with gradients, swapped in around the training steps (the engine's own paths are inference-only:
 its Triton kernels have no backward, and its grouped GEMM only takes bf16).
 

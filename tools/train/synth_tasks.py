@@ -9,7 +9,7 @@ Split: an item is an evaluation item iff sha1(SPLIT_SALT + canonical key)[:8] mo
 draws reject evaluation items and evaluation draws reject training items, so the two sets are disjoint by
 construction, with no set stored (and evaluation files also come from their own seed). The canonical key is the
 prompt of a short task ("add/47+815") and the asked (key, value) pair or binding chain of a long one. Long tasks
-take their filler code from the stdlib split of tools/tiny_data.py: training files for training, held-out files
+take their filler code from the stdlib split of tools/train/tiny_data.py: training files for training, held-out files
 for the task files.
 
 Long tasks (LongSample) are pieces of text with stdlib filler between them (a share of the filler after each

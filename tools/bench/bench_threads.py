@@ -2,7 +2,7 @@
 process each time, load and prefill included), idle and with busy processes beside it, for thread counts and
 OpenMP wait policies. tokens/s is the run's own summary figure (decode tokens / decode wall time).
 
-    python tools/bench_threads.py --out docs/results/threads_cpu.json
+    python tools/bench/bench_threads.py --out docs/results/threads_cpu.json
 
 Settings: "product default" runs with nothing set (what compiledllm chooses); the others pin OMP_NUM_THREADS /
 OMP_WAIT_POLICY in the environment, which torch and compiledllm honour (OMP_WAIT_POLICY: ACTIVE spins at every
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # competing loads: plain CPU-bound processes (one busy core each), and another torch job of small ops on every core
 # with OpenMP's defaults (the suite or a second run beside this one: its workers spin and wait at barriers too)
 BUSY = "while True:\n    pass\n"

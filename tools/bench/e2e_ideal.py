@@ -1,12 +1,12 @@
 """`compiledllm bench` points against their ideal: the same requests with prefill at the compute roofline and every
-decode step at its roofline (issue 19 item 5), beside the kernel-level step of tools/bench_decode.py where one was
+decode step at its roofline (issue 19 item 5), beside the kernel-level step of tools/bench/bench_decode.py where one was
 measured for that (model, batch, context).
 
 Ideal time of a point = prefill FLOPs / matmul rate (bench_prefill.prefill_flops) + the engine's decode steps x
 the step roofline (bench_decode.step_costs at the mean decode context, prompt + half the output, with the point's
 touched experts per layer) — with the ceilings measured in the bench's own device call.
 
-    python tools/e2e_ideal.py --ceilings ceilings.json --decode bench_decode_*.json -- e2e_*.json
+    python tools/bench/e2e_ideal.py --ceilings ceilings.json --decode bench_decode_*.json -- e2e_*.json
 """
 from __future__ import annotations
 
