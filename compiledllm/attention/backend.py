@@ -12,28 +12,35 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, lay
     """q [B, Q, H, D], the forward's fresh k/v [B, Q, KVH, D] -> [B, Q, H, D]. Reads the KV source as it was
     before this forward, then writes the fresh K/V at fwd.kv_write (-1 = skip)."""
     spec = fwd.attention
-    stats = spec.wants_stats(layer)
-    if spec.prefix_len is None and not stats:
+    acc = spec.stats_target(layer)  # where this layer adds its attention mass (None: it adds none)
+    if spec.prefix_len is None and acc is None:
         out = _among_themselves(q, k, v, spec.rule)
     else:
-        if spec.prefix_len is None:  # statistics of a forward without a KV source: an empty one
-            B, _, KVH, D = k.shape
-            src_k = src_v = k.new_zeros(B, 0, KVH, D)
-            prefix = torch.zeros(B, dtype=torch.long, device=q.device)
-        else:
-            src_k, src_v = kv_layer.k, kv_layer.v
-            prefix = spec.prefix_len if kv_layer.length is None else kv_layer.length
         queries = None
-        if stats:
+        if acc is not None:
             queries = spec.stats_queries if spec.stats_queries is not None else torch.ones(
                 q.shape[:2], dtype=torch.bool, device=q.device)
-        args = PackedArgs(q, src_k, src_v, prefix, k, v, spec.rule, spec.kv_index)
-        out, _, mass = packed.run(args, backend=fwd.kernels.attention, mass_queries=queries)
+        src_k, src_v, length, index = _source(spec, kv_layer, k)
+        args = PackedArgs(q, src_k, src_v, length, k, v, spec.rule, index)
+        out, _, mass = packed.run(args, backend=fwd.kernels.attention, mass_queries=queries,
+                                  mass_per_head=spec.stats_per_head)
         if mass is not None:
-            spec.stats.add_(mass)
+            acc.add_(mass)
     if fwd.kv_write is not None and kv_layer is not None:
         kv_layer.write(fwd.kv_write, k, v)
     return out
+
+
+def _source(spec, kv_layer, k: torch.Tensor):
+    """(k_cache, v_cache, visible length [B], kv_index) of the layer's KV source: the layer's own length and index
+    where it holds them (a sparse pool), else the forward's; an empty source for a forward without one."""
+    if spec.prefix_len is None:  # statistics of a forward without a KV source
+        B, _, KVH, D = k.shape
+        empty = k.new_zeros(B, 0, KVH, D)
+        return empty, empty, torch.zeros(B, dtype=torch.long, device=k.device), None
+    length, index = kv_layer.length, kv_layer.index
+    return (kv_layer.k, kv_layer.v, spec.prefix_len if length is None else length,
+            spec.kv_index if index is None else index)
 
 
 def _among_themselves(q, k, v, rule) -> torch.Tensor:

@@ -77,15 +77,17 @@ def _auto_backend(a: PackedArgs, stats: bool) -> str:
 
 
 def run(a: PackedArgs, return_lse: bool = False, backend: str | None = None,
-        mass_queries: torch.Tensor | None = None):
-    """(out, lse or None, mass or None); backend None (auto), "triton", "cupy" or "torch" (the reference)."""
+        mass_queries: torch.Tensor | None = None, mass_per_head: bool = False):
+    """(out, lse or None, mass or None); backend None (auto), "triton", "cupy" or "torch" (the reference). With
+    mass_queries [B or 1, Q] bool the per-key attention mass of those queries: [B, S + Q] summed over heads, or
+    with mass_per_head [B, KVH, S + Q] per KV head (the Triton kernel or the reference: CuPy has none)."""
     stats = mass_queries is not None
     if backend is None:
         backend = _auto_backend(a, stats) if a.q.is_cuda else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown packed attention backend {backend!r} (use None, 'cupy', 'triton' or 'torch')")
     if backend == "torch":
-        return reference(a, return_lse or stats, mass_queries)
+        return reference(a, return_lse or stats, mass_queries, mass_per_head)
     slot, group, see = a.rule_tensors()
     op = torch.ops.compiledllm.packed_attention if backend == "cupy" else torch.ops.compiledllm.packed_attention_triton
     out, lse = op(a.q, a.k_cache, a.v_cache, a.prefix_len, a.k_win, a.v_win, group, see, a.kv_index, slot,
@@ -93,7 +95,7 @@ def run(a: PackedArgs, return_lse: bool = False, backend: str | None = None,
     mass = None
     if stats:
         mass = torch.ops.compiledllm.attention_mass(a.q, a.k_cache, a.prefix_len, a.k_win, group, see, a.kv_index,
-                                                    slot, a.softmax_scale, lse, mass_queries)
+                                                    slot, a.softmax_scale, lse, mass_queries, mass_per_head)
     return out, (lse if return_lse or stats else None), mass
 
 

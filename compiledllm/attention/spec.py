@@ -3,8 +3,9 @@
 A forward's queries are its own Q tokens ("the window"). Every query sees
 
 * the visible prefix of the layer's KV source: keys [0, prefix_len[b]) of the row's cache, or of a pool through
-  an index (`kv_index`: key s of row b is pool row kv_index[b, s]); a KV view that holds its own valid length
-  (a sparse pool) overrides prefix_len;
+  an index (`kv_index`: key s of row b is pool row kv_index[b, s]); a layer's KV view that holds its own valid
+  length or index (LayerKV.length / .index: a sparse pool, e.g. HERALD's layers past the dense ones) overrides
+  prefix_len or kv_index for that layer;
 * the window's own fresh keys, as the mask rule says.
 
 Mask rules (each has a torch form, `window_mask`, which the reference and the dense path use):
@@ -20,8 +21,14 @@ Mask rules (each has a torch form, `window_mask`, which the reference and the de
   working sequence, padding hidden).
 * `ExplicitMask(mask)`: [B, Q, S + Q] bool over the prefix keys then the window keys (the reference only).
 
-Statistics: with `stats` set (a [B, S + Q] float32 accumulator), each layer in `stats_layers` adds the attention
-mass every key receives, summed over heads and the `stats_queries` ([B, Q] bool) - Flash-dLLM's tracker score.
+Statistics: with `stats` set, each layer in `stats_layers` (None: every layer) adds the attention mass every key
+receives (prefix keys, then window keys), summed over the `stats_queries` ([B, Q] bool; None: all), into a float32
+accumulator of one of two shapes:
+
+* [B, S + Q]: summed over every head and the layers asked - Flash-dLLM's tracker score;
+* [L, B, KVH, S + Q]: per (layer, KV head) - MAGE / HERALD's KV budgets. The i-th layer of `stats_layers` adds
+  into stats[i] (L = len(stats_layers)), or layer i when stats_layers is None (L = the model's layers); KV head g's
+  mass is summed over its H / KVH query heads. Summed over its KV heads it is the [B, S + Q] figure.
 """
 from __future__ import annotations
 
@@ -88,16 +95,38 @@ class AttentionSpec:
     rule: MaskRule
     prefix_len: torch.Tensor | None = None   # [B]; None: no KV source, the forward attends among its own tokens
     kv_index: torch.Tensor | None = None     # [B, S] int: a pool addressed through an index (None: dense rows)
-    stats: torch.Tensor | None = None        # [B, S + Q] float32 accumulator of per-key attention mass
+    # float32 accumulator of per-key attention mass: [B, S + Q] (summed over heads and layers) or
+    # [L, B, KVH, S + Q] (per layer of stats_layers, or per model layer when that is None, and per KV head)
+    stats: torch.Tensor | None = None
     stats_queries: torch.Tensor | None = None  # [B, Q] bool: the queries whose mass counts (None: all)
     stats_layers: tuple[int, ...] | None = None  # layers that add to stats (None: all)
 
     def __post_init__(self) -> None:
         if isinstance(self.rule, ExplicitMask) and self.kv_index is not None:
             raise ValueError("ExplicitMask addresses the prefix by position: it takes no kv_index")
+        if self.stats is not None:
+            if self.stats.dim() not in (2, 4):
+                raise ValueError(f"stats must be [B, S + Q] or [L, B, KVH, S + Q], not {tuple(self.stats.shape)}")
+            if self.stats_per_head and self.stats_layers is not None and self.stats.shape[0] != len(self.stats_layers):
+                raise ValueError(f"per-head stats [L, B, KVH, S + Q] need L = len(stats_layers) = "
+                                 f"{len(self.stats_layers)}, not {self.stats.shape[0]}")
+
+    @property
+    def stats_per_head(self) -> bool:
+        """Whether stats is the per-(layer, KV head) form [L, B, KVH, S + Q]."""
+        return self.stats is not None and self.stats.dim() == 4
 
     def wants_stats(self, layer: int) -> bool:
         return self.stats is not None and (self.stats_layers is None or layer in self.stats_layers)
+
+    def stats_target(self, layer: int) -> torch.Tensor | None:
+        """Where `layer` adds its mass: stats [B, S + Q] itself, or its slice [B, KVH, S + Q] of the per-head
+        form (a view, chosen on the host from the layer number: nothing data-dependent); None: it adds none."""
+        if not self.wants_stats(layer):
+            return None
+        if not self.stats_per_head:
+            return self.stats
+        return self.stats[layer if self.stats_layers is None else self.stats_layers.index(layer)]
 
 
 def block_causal_mask(length: int, block_size: int | None, device=None) -> torch.Tensor:

@@ -10,7 +10,8 @@ where the CUDA kernel's mma.sync tops out near half the rate this shape needs to
 Two constexpr switches, so that the block-causal dense form compiles to the code it had before them:
 GROUPS (the QueryGroups rule: window key j is visible to query i iff bit group[j] of see[group[i]] is set;
 else BlockCausal(SLOT)) and PAGED (prefix key s of row b is pool row kv_index[b, s]; else row b's cache).
-attention_mass is the per-key attention probability of the same scores and mask, from the forward's lse.
+attention_mass is the per-key attention probability of the same scores and mask, from the forward's lse, per
+(row, KV head): the KV head's G query heads share a program, so the per-head mass needs no extra pass.
 """
 from __future__ import annotations
 
@@ -198,9 +199,10 @@ def attention_mass_fwd(q_ptr, kc_ptr, kw_ptr, pl_ptr, grp_ptr, see_ptr, idx_ptr,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        GROUPS: tl.constexpr, PAGED: tl.constexpr):
     """Per-key attention mass: program (row tile, (b, kv head), chunk) covers TPP key tiles of the keys
-    [prefix S | window LQ] and writes, per key, the sum of exp(score - lse) over its rows whose query is marked
-    in qm, into part[b, kvh * row_tiles + row_tile, key] (each entry written once: the sum over dim 1 is
-    deterministic). Keys nobody here sees get 0."""
+    [prefix S | window LQ] and writes, per key, the sum of exp(score - lse) over its rows (the G query heads of
+    KV head kvh, for the queries marked in qm) into part[b, kvh, row_tile, key] ([B, KVH, row_tiles, S + LQ]):
+    the per-KV-head mass, in row-tile partials (each entry written once: their sums over row tiles, and over
+    KV heads for the [B, S + Q] figure, are deterministic). Keys nobody here sees get 0."""
     G: tl.constexpr = H // KVH
     ROWS = G * LQ
     bh = tl.program_id(1)

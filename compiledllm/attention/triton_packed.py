@@ -4,8 +4,9 @@
 kv_index, slot, scale, return_lse) -> (out, lse)` takes the kernels' form of launch.PackedArgs (slot > 0:
 BlockCausal(slot); slot 0: QueryGroups(group, see); kv_index: a paged source) and returns the same as the CuPy
 op. `torch.ops.compiledllm.attention_mass(q, k_cache, prefix_len, k_win, group, see, kv_index, slot, scale,
-lse, queries) -> mass [B, S + Q]` is the attention probability each key receives (prefix keys, then window
-keys) summed over the heads and the queries marked in queries [B, Q], from the forward's lse.
+lse, queries, per_head=False) -> mass [B, S + Q]` is the attention probability each key receives (prefix keys,
+then window keys) summed over the heads and the queries marked in queries [B, Q], from the forward's lse; with
+per_head, mass [B, KVH, S + Q] per KV head (summed over its H / KVH query heads).
 
 Static launches: no host synchronisation, scratch from torch's allocator per call (launch.split_scratch), so
 they compile and capture. Triton is imported lazily: registering the ops needs none.
@@ -104,8 +105,11 @@ def packed_attention_triton_launch(args: PackedArgs, return_lse: bool, tile: Tri
 
 
 def attention_mass_triton_launch(args: PackedArgs, lse: torch.Tensor, queries: torch.Tensor,
-                                 tile: TritonTile | None = None) -> torch.Tensor:
-    """mass [B, S + Q] float32 from the forward's lse [B, H, Q] and queries [B or 1, Q] bool (tile: for tests)."""
+                                 tile: TritonTile | None = None, per_head: bool = False) -> torch.Tensor:
+    """mass float32 from the forward's lse [B, H, Q] and queries [B or 1, Q] bool: per KV head [B, KVH, S + Q]
+    with per_head, else [B, S + Q] (tile: for tests). The kernel writes one partial per (row, KV head, row tile)
+    and key; the row tiles' partials are summed here in a fixed order (deterministic), and when the G * Q query
+    rows of a KV head fit one tile (decode) the per-head mass is the kernel's output itself."""
     from compiledllm.attention.triton_kernels import attention_mass_fwd
 
     check_inputs(args)
@@ -118,7 +122,7 @@ def attention_mass_triton_launch(args: PackedArgs, lse: torch.Tensor, queries: t
     if queries.dtype != torch.bool or queries.dim() != 2 or queries.shape[1] != Lq:
         raise ValueError(f"attention mass: queries must be a bool [B or 1, {Lq}] tensor")
     if B * Lq == 0:
-        return torch.zeros((B, S + Lq), dtype=torch.float32, device=q.device)
+        return torch.zeros((B, KVH, S + Lq) if per_head else (B, S + Lq), dtype=torch.float32, device=q.device)
     if any(t.stride(-1) != 1 for t in (q, k_cache, k_win)):
         q, k_cache, k_win = (t.contiguous() for t in (q, k_cache, k_win))
     lse = lse.contiguous()
@@ -127,14 +131,16 @@ def attention_mass_triton_launch(args: PackedArgs, lse: torch.Tensor, queries: t
     tile = tile or default_triton_tile(rows)
     row_tiles = -(-rows // tile.block_m)
     key_tiles = -(-S // tile.block_n) + -(-Lq // tile.block_n)
-    part = torch.empty((B, KVH * row_tiles, S + Lq), dtype=torch.float32, device=q.device)
+    part = torch.empty((B, KVH, row_tiles, S + Lq), dtype=torch.float32, device=q.device)
     attention_mass_fwd[(row_tiles, B * KVH, -(-key_tiles // _MASS_TILES_PER_PROGRAM))](
         q, k_cache, k_win, args.prefix_len, group, see, idx, lse, qm, part, *q.stride()[:3],
         *_source_strides(args, k_cache), *k_win.stride()[:3], 0 if group is None else group.stride(0),
         0 if idx is None else idx.stride(0), *qm.stride(), S, args.softmax_scale * math.log2(math.e), Lq, slot,
         _MASS_TILES_PER_PROGRAM, H=H, KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n, GROUPS=group is not None,
         PAGED=idx is not None, num_warps=tile.warps, num_stages=tile.stages)
-    return part.sum(1)
+    if not per_head:
+        return part.view(B, KVH * row_tiles, S + Lq).sum(1)
+    return part.view(B, KVH, S + Lq) if row_tiles == 1 else part.sum(2)
 
 
 @torch.library.custom_op("compiledllm::packed_attention_triton", mutates_args=(), device_types="cuda")
@@ -155,13 +161,15 @@ def _(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot,
 @torch.library.custom_op("compiledllm::attention_mass", mutates_args=(), device_types="cuda")
 def attention_mass_op(q: torch.Tensor, k_cache: torch.Tensor, prefix_len: torch.Tensor, k_win: torch.Tensor,
                       group: torch.Tensor | None, see: torch.Tensor | None, kv_index: torch.Tensor | None, slot: int,
-                      scale: float, lse: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """mass [B, S + Q] float32 (S: prefix keys addressable per row)."""
+                      scale: float, lse: torch.Tensor, queries: torch.Tensor,
+                      per_head: bool = False) -> torch.Tensor:
+    """mass [B, S + Q] float32, or with per_head [B, KVH, S + Q] (S: prefix keys addressable per row)."""
     args = op_args(q, k_cache, k_cache, prefix_len, k_win, k_win, group, see, kv_index, slot, scale)
-    return attention_mass_triton_launch(args, lse, queries)
+    return attention_mass_triton_launch(args, lse, queries, per_head=per_head)
 
 
 @attention_mass_op.register_fake
-def _(q, k_cache, prefix_len, k_win, group, see, kv_index, slot, scale, lse, queries):
+def _(q, k_cache, prefix_len, k_win, group, see, kv_index, slot, scale, lse, queries, per_head=False):
     S = kv_index.shape[1] if kv_index is not None else k_cache.shape[1]
-    return q.new_empty((q.shape[0], S + q.shape[1]), dtype=torch.float32)
+    heads = (k_cache.shape[-2],) if per_head else ()
+    return q.new_empty((q.shape[0], *heads, S + q.shape[1]), dtype=torch.float32)

@@ -143,8 +143,9 @@ def rule_case(rule, source, B=3, S=20, Lq=8, H=4, KVH=2, D=16, dtype=torch.float
     return PackedArgs(q, k_cache, v_cache, prefix, k_win, v_win, r, kv_index), rows
 
 
-def naive_rule_attention(a: PackedArgs, queries):
-    """Loop-by-loop float64 masked softmax from the rule's own window mask: out, lse, mass [B, S + Q]."""
+def naive_rule_attention(a: PackedArgs, queries, per_head=False):
+    """Loop-by-loop float64 masked softmax from the rule's own window mask: out, lse, mass [B, S + Q] (per_head:
+    [B, KVH, S + Q], each KV head's query heads)."""
     B, Lq, H, D = a.q.shape
     kc, vc = a.k_cache, a.v_cache
     if a.kv_index is not None:
@@ -154,7 +155,7 @@ def naive_rule_attention(a: PackedArgs, queries):
     pre = a.rule.mask[..., :S] if isinstance(a.rule, ExplicitMask) else torch.ones(B, Lq, S, dtype=torch.bool)
     out = torch.zeros(B, Lq, H, D, dtype=torch.float64)
     lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float64)
-    mass = torch.zeros(B, S + Lq, dtype=torch.float64)
+    mass = torch.zeros(B, KVH, S + Lq, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
             kvh = h // (H // KVH)
@@ -170,8 +171,8 @@ def naive_rule_attention(a: PackedArgs, queries):
                 p = torch.softmax(s, 0)
                 out[b, i, h] = p @ V
                 if queries[b, i]:
-                    mass[b, keys + [S + j for j in wins]] += p
-    return out, lse, mass
+                    mass[b, kvh, keys + [S + j for j in wins]] += p
+    return out, lse, (mass if per_head else mass.sum(1))
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -193,6 +194,23 @@ def test_run_on_cpu_is_the_reference(rule, source):
     torch.testing.assert_close(mass.double(), n_mass, rtol=1e-5, atol=1e-5)
     if rule == "blind":  # row 1 sees no key: out 0, lse -inf, no mass
         assert (out[1] == 0).all() and (lse[1] == float("-inf")).all() and (mass[1] == 0).all()
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("rule", RULES)
+def test_per_head_mass_on_cpu(rule, source):
+    """mass_per_head: [B, KVH, S + Q], each KV head's query heads, loop by loop; its sum over KV heads is the
+    summed mass."""
+    if rule == "explicit" and source == "paged":
+        pytest.skip("ExplicitMask takes no kv_index")
+    a, _ = rule_case(rule, source)
+    queries = torch.rand(a.q.shape[:2], generator=torch.Generator().manual_seed(2)) < 0.6
+    _, _, mass = packed.run(a, mass_queries=queries, mass_per_head=True)
+    _, _, flat = packed.run(a, mass_queries=queries)
+    assert mass.shape == (3, 2, a.keys + a.q.shape[1]) and mass.dtype == torch.float32
+    torch.testing.assert_close(mass.double(), naive_rule_attention(a, queries, per_head=True)[2], rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(mass.sum(1), flat, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- GPU: the CuPy and Triton kernels
@@ -425,6 +443,12 @@ def test_triton_attention_mass(rule, source):
     assert (mass[0] == 0).all() and (mass[2, a.prefix_len[2]:a.keys] == 0).all()
     _, _, again = packed.run(a, return_lse=True, backend="triton", mass_queries=queries)
     assert torch.equal(again, mass)
+    # per KV head: the kernel's own per-head partials, against the reference's, summing to the figure above
+    _, _, heads = packed.run(a, return_lse=True, backend="triton", mass_queries=queries, mass_per_head=True)
+    _, _, ref_heads = reference(a, True, queries, mass_per_head=True)
+    assert heads.shape == (3, 4, a.keys + 64)
+    torch.testing.assert_close(heads, ref_heads, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(heads.sum(1), mass, rtol=1e-5, atol=1e-5)
 
 
 def groups_paged_inputs(seed, device="cuda"):
@@ -434,9 +458,9 @@ def groups_paged_inputs(seed, device="cuda"):
     return [a.q, a.k_cache, a.v_cache, a.prefix_len, a.k_win, a.v_win, a.rule.group, a.rule.see, a.kv_index]
 
 
-def groups_paged_run(backend, q, kc, vc, pl, kw, vw, group, see, idx, queries=None):
+def groups_paged_run(backend, q, kc, vc, pl, kw, vw, group, see, idx, queries=None, per_head=False):
     a = PackedArgs(q, kc, vc, pl, kw, vw, QueryGroups(group, see), kv_index=idx)
-    return packed.run(a, return_lse=True, backend=backend, mass_queries=queries)
+    return packed.run(a, return_lse=True, backend=backend, mass_queries=queries, mass_per_head=per_head)
 
 
 @gpu
@@ -468,20 +492,24 @@ def test_kernel_groups_paged_opcheck(backend):
     if backend == "triton":
         _, lse = op(q, kc, vc, pl, kw, vw, group, see, idx, 0, scale, True)
         queries = torch.rand(q.shape[:2], device="cuda") < 0.5
-        torch.library.opcheck(torch.ops.compiledllm.attention_mass,
-                              (q, kc, pl, kw, group, see, idx, 0, scale, lse, queries),
-                              test_utils=("test_schema", "test_faketensor"))
+        for per_head in (False, True):
+            torch.library.opcheck(torch.ops.compiledllm.attention_mass,
+                                  (q, kc, pl, kw, group, see, idx, 0, scale, lse, queries, per_head),
+                                  test_utils=("test_schema", "test_faketensor"))
 
 
 @gpu
 @needs_kernel
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kernel_groups_paged_cuda_graph_replay(backend):
+def test_kernel_groups_paged_cuda_graph_replay(backend, per_head):
+    if per_head and backend != "triton":
+        pytest.skip("only the Triton kernel has statistics")
     static = groups_paged_inputs(3)
     queries = torch.zeros(static[0].shape[:2], dtype=torch.bool, device="cuda")
     queries[:, ::3] = True
     mass_q = queries if backend == "triton" else None
-    run = lambda: groups_paged_run(backend, *static, mass_q)  # noqa: E731
+    run = lambda: groups_paged_run(backend, *static, mass_q, per_head)  # noqa: E731
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -501,7 +529,7 @@ def test_kernel_groups_paged_cuda_graph_replay(backend):
             if e is not None:
                 torch.testing.assert_close(g, e, rtol=0, atol=0)
         a = PackedArgs(*static[:6], QueryGroups(static[6], static[7]), kv_index=static[8])
-        ref_out, _, ref_mass = reference(a, True, queries)
+        ref_out, _, ref_mass = reference(a, True, queries, per_head)
         assert rel_err(g_out[0], ref_out) < 1e-2
         if mass_q is not None:
             torch.testing.assert_close(g_out[2], ref_mass, rtol=1e-3, atol=1e-4)

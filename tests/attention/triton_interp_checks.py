@@ -182,7 +182,8 @@ def attention() -> None:
 
 def mass() -> None:
     """The per-key attention mass against the reference's, from the kernel's own lse, over query masks with some
-    (or all) queries left out; keys no counted query sees get exactly 0."""
+    (or all) queries left out; keys no counted query sees get exactly 0. Per KV head too ([B, KVH, S + Q], one row
+    tile per KV head or several): against the reference's, summing over KV heads to the summed mass."""
     g = torch.Generator().manual_seed(1)
     cases = [(2, 45, 8, 4, 2, [45, 20], BlockCausal(4), None, TritonTile(16, 16, 4, 1), 2, None),
              *_rule_cases(g)]
@@ -200,6 +201,11 @@ def mass() -> None:
         assert (m[-1] == 0).all()
         for b, o in enumerate(prefix):
             assert (m[b, o:S] == 0).all(), (b, o)
+        mh = attention_mass_triton_launch(a, lse, queries, tile=tile, per_head=True)
+        _, _, ref_h = reference(_f32(a), mass_queries=queries, mass_per_head=True)
+        assert mh.shape == (B, KVH, S + Lq) and mh.dtype == torch.float32
+        torch.testing.assert_close(mh, ref_h, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(mh.sum(1), m, rtol=1e-5, atol=1e-6)
     # Broadcast queries [1, Q] are every row's.
     m1 = attention_mass_triton_launch(a, lse, queries[:1], tile=tile)
     torch.testing.assert_close(m1, attention_mass_triton_launch(a, lse, queries[:1].expand(B, Lq).clone(),
