@@ -115,8 +115,16 @@ class MoE(nn.Module):
     # Triton experts; "grouped_mm": always the torch routing and grouped GEMM (the benchmarks' A/B baseline, and
     # what an exported engine runs).
 
-    def route(self, x: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32."""
+    def route(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32.
+
+        groups: the forward's Forward.route_groups as [rows, Q] (x's tokens are its rows' tokens in order, T = rows
+        * Q), or None. groups[r, q] is the route group (the block) of row r's token q, -1 for a dead token; equal
+        values in different rows are different groups. This router routes every token alone and ignores them
+        (forward() then drops dead tokens' pairs). The extension point: a subclass may choose each group's experts
+        together (tests/policies/block_routed.py restricts a block's tokens to experts admitted per block); where
+        groups is given it may also return the id num_experts for a pair that goes to no expert (weight 0)."""
         c = self.cfg
         logits = router_logits(x, self.gate)
         if backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
@@ -138,21 +146,40 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return ids, w * c.routed_scaling
 
-    def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., D]; groups (Forward.route_groups): x.shape[:-1] long, -1 = a dead token (route()), or None: every
+        token routes (exactly the path without groups). A dead token takes no expert pair; the shared expert still
+        runs on it, so its output is finite but meaningless (nothing reads it)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, w = self.route(x, backend)
-        out = self._routed(x, ids, w, backend)
+        if groups is not None and groups.shape != shape[:-1]:
+            raise ValueError(f"MoE: route groups of shape {tuple(groups.shape)} for tokens {tuple(shape[:-1])}")
+        rows = None if groups is None else groups.reshape(-1, shape[-2])  # [rows, Q]; x [T, D]: one row
+        ids, w = self.assign(x, backend, rows)
+        out = self._routed(x, ids, w, backend, skip=rows is not None)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.parallel is not None:
             out = self.parallel.all_reduce(out)
         return out.view(shape)
 
-    def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    def assign(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (expert ids, weights) the experts run for x [T, D]: route()'s, with every pair of a dead token (groups
+        [rows, Q] < 0) sent to no expert (id num_experts, weight 0). Static shapes, no host sync."""
+        ids, w = self.route(x, backend, groups)
+        if groups is None:
+            return ids, w
+        dead = (groups.reshape(-1) < 0)[:, None]
+        return ids.masked_fill(dead, self.cfg.num_experts), w.masked_fill(dead, 0.0)
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto",
+                skip: bool = False) -> torch.Tensor:
         """The T*k (token, expert) pairs through the experts, each token's k outputs summed: the Triton op (sort,
         expert kernels and sum inside it), or sorted by expert in torch and two grouped GEMMs. Static shapes and
-        no host sync, so it compiles and captures."""
+        no host sync, so it compiles and captures. A pair with id num_experts goes to no expert and adds 0: the
+        Triton op and expert parallelism always allow it, the torch grouped GEMMs where `skip` is set (one more
+        sort bin and a select; without it the path is the one of a forward without route groups)."""
         if self.parallel is not None and self.parallel.experts is not None:
             return self._routed_here(x, ids, w)
         if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)
@@ -160,7 +187,9 @@ class MoE(nn.Module):
             return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float())
         T, k = ids.shape
         E = self.cfg.num_experts
-        y = self._pairs(x, ids.flatten(), E, k).view(T, k, -1)
+        y = self._pairs(x, ids.flatten(), E + 1 if skip else E, k).view(T, k, -1)
+        if skip:  # a skipped pair's row was never computed (any bits, NaN included): 0 instead
+            y = torch.where((ids < E)[..., None], y, 0)
         return (y * w[..., None].to(y.dtype)).sum(1)
 
     def _pairs(self, x: torch.Tensor, flat: torch.Tensor, bins: int, k: int) -> torch.Tensor:
@@ -228,6 +257,6 @@ class DecoderLayer(nn.Module):
         normed = self.post_norm(h)
         if isinstance(self.mlp, MoE):
             with phase("moe"):
-                return h + self.mlp(normed, fwd.kernels.moe)
+                return h + self.mlp(normed, fwd.kernels.moe, fwd.route_groups)
         with phase("mlp"):
             return h + self.mlp(normed)

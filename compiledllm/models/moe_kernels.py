@@ -62,51 +62,58 @@ def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr
 
 
 @triton.jit
-def sort_position_kernel(ids_ptr, counts_ptr, pos_ptr, P, BLOCK: tl.constexpr):
+def sort_position_kernel(ids_ptr, counts_ptr, pos_ptr, P, E, BLOCK: tl.constexpr):
     """Each pair's position among its expert's pairs, by an atomic add on the expert's counter (zeroed by the
     caller; it ends as the expert's pair count). Positions within an expert come in whatever order the atomics
     run, which varies between runs: the expert kernels' results do not depend on it, as each pair's output row
     depends on its own row of A alone (tl.dot rows are independent) and is stored to its own pair row of y,
-    whichever row of which tile computed it."""
+    whichever row of which tile computed it. A pair whose id is >= E (skipped) is not counted."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = p < P
     e = tl.load(ids_ptr + p, mask=live, other=0)
-    pos = tl.atomic_add(counts_ptr + e, 1, mask=live, sem="relaxed")  # atomicity alone makes positions distinct
-    tl.store(pos_ptr + p, pos, mask=live)
+    held = live & (e < E)
+    pos = tl.atomic_add(counts_ptr + e, 1, mask=held, sem="relaxed")  # atomicity alone makes positions distinct
+    tl.store(pos_ptr + p, pos, mask=held)
 
 
 @triton.jit
 def sort_place_kernel(ids_ptr, counts_ptr, pos_ptr, order_ptr, offs_ptr, tile_end_ptr, P, E: tl.constexpr,
                       E_P2: tl.constexpr, BM_UP: tl.constexpr, BM_DOWN: tl.constexpr, BLOCK: tl.constexpr):
     """order[offs[e] + position] = pair. Every program takes the exclusive cumsum of the E counts itself (cheaper
-    than one more launch to take it once); program 0 also stores offs [E+1] and tile_end [2, E] (inclusive
-    cumsum of row tiles per expert, for gate_up's BM then down's)."""
+    than one more launch to take it once); program 0 also stores offs [E+1] (offs[E]: the pairs some expert
+    runs, P less the skipped ones) and tile_end [2, E] (inclusive cumsum of row tiles per expert, for gate_up's BM
+    then down's). Skipped pairs (id >= E) get no slot: order[offs[E]:] is never written, and never read."""
     ex = tl.arange(0, E_P2)
     counts = tl.load(counts_ptr + ex, mask=ex < E, other=0)
     starts = tl.cumsum(counts, 0) - counts
     if tl.program_id(0) == 0:
         tl.store(offs_ptr + ex, starts, mask=ex < E)
-        tl.store(offs_ptr + E, P)
+        tl.store(offs_ptr + E, tl.sum(counts, 0))
         tl.store(tile_end_ptr + ex, tl.cumsum((counts + BM_UP - 1) // BM_UP, 0), mask=ex < E)
         tl.store(tile_end_ptr + E + ex, tl.cumsum((counts + BM_DOWN - 1) // BM_DOWN, 0), mask=ex < E)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = p < P
-    e = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32)
-    slot = tl.gather(starts, e, 0) + tl.load(pos_ptr + p, mask=live, other=0)
-    tl.store(order_ptr + slot, p, mask=live)
+    e = tl.load(ids_ptr + p, mask=live, other=0)
+    held = live & (e < E)
+    slot = tl.gather(starts, tl.minimum(e, E - 1).to(tl.int32), 0) + tl.load(pos_ptr + p, mask=held, other=0)
+    tl.store(order_ptr + slot, p, mask=held)
 
 
 @triton.jit
-def combine_kernel(y_ptr, out_ptr, T, D: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """out[t] = sum over ranks 0..k-1 of y[t * k + rank] in float32, in that order, rounded once."""
+def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, D: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
+                   BD: tl.constexpr):
+    """out[t] = sum over ranks 0..k-1 of y[t * k + rank] in float32, in that order, rounded once; a skipped pair
+    (id >= E: no expert wrote its row of y) adds 0."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
-    live = (t < T)[:, None]
+    live = t < T
     rows = y_ptr + (t.to(tl.int64) * TOPK * D)[:, None] + d[None, :]
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     for r in tl.static_range(TOPK):
-        acc += tl.load(rows + r * D, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=live)
+        held = live & (tl.load(ids_ptr + t.to(tl.int64) * TOPK + r, mask=live, other=E) < E)
+        acc += tl.load(rows + r * D, mask=held[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=live[:, None])
 
 
 @triton.jit

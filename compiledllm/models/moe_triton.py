@@ -11,8 +11,10 @@ many row tiles that run in parallel and re-read its weights from L2. Six launche
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[pair(p)] = w[pair(p)] * (act[p] @ Wd[e]^T)                     (pair = token * k + rank)
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
-The router (sigmoid, group-limited top-k, weights) is one more kernel. Static shapes (the grid covers the
-most row tiles any routing can need; spare programs return at once), no host sync: it compiles and captures.
+A pair whose id is >= E (MoE.assign gives a dead token's pairs the id E) is skipped: it is not counted or
+placed, so no expert kernel reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k,
+weights) is one more kernel. Static shapes (the grid covers the most row tiles any routing can need; spare
+programs return at once), no host sync: it compiles and captures.
 Triton is imported lazily (CPU installs have none); `available()` says whether this path can run.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ class MoETile:
 # Prefill-sized tiles: from PREFILL_PAIRS_PER_EXPERT pairs per expert on average (LLaDA2.0-mini, 256 experts top 8:
 # 32 tokens per pair per expert, so 512 = 16K tokens), default_tiles returns PREFILL_TILE_SPECS, each
 # (BM, BN cap, BK cap, warps, stages) for (gate_up, down), the caps cut to the dims by _block. Set both from
-# `tools/bench_moe.py --prefill-tokens ... --prefill-sweep` (its "prefill_decision"); until measured they equal
+# `tools/bench/bench_moe.py --prefill-tokens ... --prefill-sweep` (its "prefill_decision"); until measured they equal
 # the large-batch tiles below, so no shape runs differently. Tile changes have kept a row's result bitwise on the
 # H200 (each output element sums its MMA K steps in order, whatever the tile): test_rows_do_not_depend_on_the_batch
 # checks it across the decode and prefill tiles; run it after changing these.
@@ -59,7 +61,7 @@ def _block(dim: int, cap: int) -> int:
 
 
 def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETile, MoETile]:
-    """(gate_up, down) tiles, from the H200 sweeps of tools/bench_moe.py: 16-row tiles with BN 128 and BK 128
+    """(gate_up, down) tiles, from the H200 sweeps of tools/bench/bench_moe.py: 16-row tiles with BN 128 and BK 128
     while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
     BN 128 (its K loop is only `inner` long: wider N tiles stream more weight per program), and from 64 pairs
     per expert gate_up with BN 256 on 8 warps (`bench_moe.py --sweep-split`: 1-4 % per kernel); from 128 pairs
@@ -129,7 +131,8 @@ def moe_routed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, i
                weights: torch.Tensor) -> torch.Tensor:
     """x [T, D]; w_gate_up [E, 2F, D]; w_down [E, D, F]; ids [T, k] int64 expert ids; weights [T, k] float32
     routing weights (all contiguous). Returns the routed MoE output [T, D]: each token's k weighted expert
-    outputs summed."""
+    outputs summed. A pair with an id >= E (a dead token's, MoE.assign) is skipped: no expert kernel reads or
+    computes it and it adds 0 to its token's sum."""
     return launch(x, w_gate_up, w_down, ids, weights)
 
 
@@ -141,7 +144,8 @@ def _(x, w_gate_up, w_down, ids, weights):
 def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (order [T*k] int32: pair ids grouped by expert, offs [E+1] int32: each expert's first
-    slot, tile_end [2, E] int32: inclusive cumsum of ceil(count / BM) for the two BMs). A zero fill and two
+    slot, offs[E] the end of the last, tile_end [2, E] int32: inclusive cumsum of ceil(count / BM) for the two
+    BMs). Pairs with ids >= E are skipped (no slot; order past offs[E] is unspecified). A zero fill and two
     kernels over all the pairs: counting in one program (tl.histogram) took longer from T ~ 1024 tokens on the
     H200 (9.6 vs 6.3 us per call at T = 1024, k = 8)."""
     kern = _kernels()
@@ -150,7 +154,7 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int]
     counts, pos, order = torch.zeros(experts, **i32), torch.empty(pairs, **i32), torch.empty(pairs, **i32)
     offs, tile_end = torch.empty(experts + 1, **i32), torch.empty(2, experts, **i32)
     grid = (-(-pairs // 128),)
-    kern.sort_position_kernel[grid](ids, counts, pos, pairs, BLOCK=128)
+    kern.sort_position_kernel[grid](ids, counts, pos, pairs, experts, BLOCK=128)
     kern.sort_place_kernel[grid](ids, counts, pos, order, offs, tile_end, pairs, E=experts,
                                  E_P2=1 << (experts - 1).bit_length(), BM_UP=block_ms[0], BM_DOWN=block_ms[1],
                                  BLOCK=128)
@@ -179,7 +183,7 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
         BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
     out = torch.empty_like(x)
     bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
-    kern.combine_kernel[(-(-T // 4), D // bd)](y, out, T, D=D, TOPK=top_k, BT=4, BD=bd)
+    kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd)
     return out
 
 

@@ -29,14 +29,14 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.layers import MoE
-from compiledllm.policies.plan import Forward
+from compiledllm.policies.plan import window_forward
 
 ROUTINGS = ("balanced", "random")  # random: the plain normal init (a random router: few experts per block)
 FAST_TURN = 0.1        # rad / position: rotary pairs turning faster differ by > 3 rad across a 32-token block
@@ -122,32 +122,39 @@ class TouchedExperts:
 
 @contextmanager
 def count_touched(model) -> Iterator[TouchedExperts]:
-    """Count the distinct experts every MoE layer's routing picks in each eager forward run inside the block (one
-    host sync per layer and forward; a compiled or captured forward does not call the Python route: not counted)."""
+    """Count the distinct experts every MoE layer's routing picks (MoE.assign: dead tokens' pairs excluded) in each
+    eager forward run inside the block: a forward pre-hook on each MoE (torch's hook API; removed on leaving,
+    nothing else about the model changes) routes the layer's input once more and counts it (one host sync per
+    layer and forward). For eager forwards (touched_after's, the benchmark's): a replayed CUDA graph runs no Python
+    hook, so it counts nothing."""
     found = TouchedExperts()
-    layers = moe_layers(model)
-    for moe in layers:
-        counts: list[int] = []
-        found.per_layer.append(counts)
-
-        def route(x, backend="auto", moe=moe, counts=counts):
-            ids, w = type(moe).route(moe, x, backend)
-            counts.append(int(torch.unique(ids).numel()))
-            return ids, w
-
-        moe.route = route  # the instance attribute shadows the method until it is deleted below
+    handles = []
     try:
+        for moe in moe_layers(model):
+            counts: list[int] = []
+            found.per_layer.append(counts)
+            handles.append(moe.register_forward_pre_hook(partial(_count, counts=counts), with_kwargs=True))
         yield found
     finally:
-        for moe in layers:
-            del moe.route
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def _count(moe: MoE, args: tuple, kwargs: dict, counts: list[int]) -> None:
+    """The pre-hook: MoE.forward's arguments (x, backend, groups), routed as forward routes them; inputs unchanged."""
+    given = dict(zip(("x", "backend", "groups"), args)) | kwargs
+    x, groups = given["x"], given.get("groups")
+    rows = None if groups is None else groups.reshape(-1, x.shape[-2])
+    ids, _ = moe.assign(x.reshape(-1, x.shape[-1]), given.get("backend", "auto"), rows)
+    counts.append(int(torch.unique(ids[ids < moe.cfg.num_experts]).numel()))
 
 
 @torch.no_grad()
 def touched_after(model, prompts: Sequence[Sequence[int]], block: int, context: int = 1024) -> list[float]:
     """Distinct experts per MoE layer in a decode forward of one all-MASK block per prompt (the step of a block
     whose tokens are most alike), after the prompt's last whole blocks, at most `context` tokens, are cached; []
-    for a model without MoE layers. Eager: a real forward of the model."""
+    for a model without MoE layers. Eager: real window forwards of the model (plan.window_forward)."""
     if not moe_layers(model) or not prompts:
         return []
     c, dev = model.config, model.device
@@ -157,13 +164,16 @@ def touched_after(model, prompts: Sequence[Sequence[int]], block: int, context: 
     last = torch.zeros((1, 1), dtype=torch.long, device=dev)  # logits are not needed: the head runs on one row
     if ctx:
         pos = torch.arange(ctx, device=dev)[None]
+        live = torch.ones_like(pos, dtype=torch.bool)
         for r, p in enumerate(prompts):
             tokens = torch.tensor([list(p[len(p) - ctx:])], device=dev)
-            spec = AttentionSpec(BlockCausal(block), prefix_len=torch.zeros(1, dtype=torch.long, device=dev))
-            model(Forward(tokens, pos, spec, kv_write=pos, logits_at=last), kv.rows(r, r + 1))
+            start = torch.zeros(1, dtype=torch.long, device=dev)
+            model(window_forward(tokens, pos, start, block, live, logits_at=last), kv.rows(r, r + 1))
     tokens = torch.full((rows, block), c.mask_token_id, device=dev)
     pos = (ctx + torch.arange(block, device=dev))[None].expand(rows, -1)
-    spec = AttentionSpec(BlockCausal(block), prefix_len=torch.full((rows,), ctx, device=dev))
+    start = torch.full((rows,), ctx, device=dev)
+    fwd = window_forward(tokens, pos, start, block, torch.ones_like(pos, dtype=torch.bool),
+                         logits_at=last.expand(rows, 1))
     with count_touched(model) as found:
-        model(Forward(tokens, pos, spec, logits_at=last.expand(rows, 1)), kv)
+        model(fwd, kv)
     return found.mean_per_layer()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, Kernels
+from compiledllm.attention.spec import AttentionSpec, BlockCausal, Kernels
 
 State = dict[str, torch.Tensor]
 
@@ -36,6 +36,7 @@ class Forward:
     logits_rows: torch.Tensor | None = None
     float_logits: bool = False  # float32 logits (the reference); else the model's dtype (the decode step)
     kernels: Kernels = field(default_factory=Kernels)
+    route_groups: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,21 @@ class Update:
     tokens: torch.Tensor
     advance: torch.Tensor
     state: State
+
+
+def route_groups(positions: torch.Tensor, block: int, live: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Q] long: each token's block (position // block), -1 where `live` is False (padding, finished rows)."""
+    groups = positions // block
+    return groups if live is None else torch.where(live, groups, -1)
+
+
+def window_forward(tokens: torch.Tensor, positions: torch.Tensor, prefix_len: torch.Tensor, block: int,
+                   live: torch.Tensor, *, write: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                   logits_rows: torch.Tensor | None = None) -> Forward:
+    """The block-causal window forward every cached policy and prefill chunk makes: queries at `positions` (a whole
+    number of blocks from a block boundary) see the row's cached prefix [0, prefix_len) and, among themselves,
+    BlockCausal(block). `live` [B, Q]: the tokens that count (written at their positions unless `write` says
+    otherwise; dead ones route nowhere)."""
+    kv_write = torch.where(live, positions, -1) if write is None else write
+    return Forward(tokens, positions, AttentionSpec(BlockCausal(block), prefix_len=prefix_len), kv_write=kv_write,
+                   logits_at=logits_at, logits_rows=logits_rows, route_groups=route_groups(positions, block, live))

@@ -57,6 +57,13 @@ def test_each_routing_is_deterministic_for_a_seed():
     assert touched_after(build_random(MOE, seed=4), prompt(4), BLOCK) == touched_after(a, prompt(4), BLOCK)
 
 
+def test_count_touched_removes_its_hooks_when_the_block_raises():
+    model = build_random(MOE, seed=0)
+    with pytest.raises(RuntimeError, match="inside"), count_touched(model):
+        raise RuntimeError("inside")
+    assert all(not m._forward_pre_hooks for m in moe_layers(model))
+
+
 def test_count_touched_counts_each_forward_and_restores_the_router():
     model = build_random(MOE, seed=0)
     ids = torch.tensor(prompt(0, 16))
@@ -67,7 +74,7 @@ def test_count_touched_counts_each_forward_and_restores_the_router():
     assert [len(c) for c in found.per_layer] == [2, 2, 2]
     assert all(c[1] == 8 for c in found.per_layer)  # one token: its top-8
     assert torch.equal(before, inside)  # counting changes nothing
-    assert all("route" not in vars(m) for m in moe_layers(model))
+    assert all("route" not in vars(m) and not m._forward_pre_hooks for m in moe_layers(model))  # hooks removed
     with count_touched(model) as again:
         pass
     assert again.per_layer == [[], [], []]

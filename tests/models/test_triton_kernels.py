@@ -191,3 +191,27 @@ def test_bf16_router_logits_match_the_float32_upcast():
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     same = (fast.topk(8).indices.sort().values == ref.topk(8).indices.sort().values).all(1)
     assert same.float().mean() > 0.99
+
+
+@pytest.mark.parametrize("shape", [(32, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (600, 16, 4, 128, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_dead_tokens_are_skipped(shape):
+    """Pairs with the id E (dead tokens, MoE.assign) take no expert work: the live tokens' outputs are bitwise those
+    of the call where the dead tokens routed (Triton), the dead tokens' sums are 0, the torch grouped path agrees."""
+    T, E, k, D, F = shape
+    moe = moe_layer(E, k, D, F)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    groups = torch.where(torch.rand(T, device="cuda") < 0.3, -1, 0)
+    groups[-1] = -1
+    live = groups >= 0
+    with torch.no_grad():
+        ids, w = moe.route(x)
+        dead_ids, dead_w = moe.assign(x, "auto", groups[None])
+        assert (dead_ids[~live] == E).all() and (dead_w[~live] == 0).all()
+        today = moe._routed(x, ids, w, "triton")
+        tri = moe._routed(x, dead_ids, dead_w, "triton")
+        assert torch.equal(tri[live], today[live]) and (tri[~live] == 0).all()
+        gmm = moe._routed(x, dead_ids, dead_w, "grouped_mm", skip=True)
+        assert (gmm[~live] == 0).all() and torch.isfinite(gmm).all()
+        ref = reference(moe, x[live], ids[live], w[live])
+    assert (gmm[live].double() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
