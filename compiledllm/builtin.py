@@ -1,19 +1,18 @@
-"""Built-in models: usable by name without a checkpoint directory (the quickstart's default)."""
+"""Built-in models: usable by name without a checkpoint directory (the quickstart's default). What each name is;
+loader.load_builtin builds it (this module imports nothing of the loader's)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from compiledllm.errors import UserError
-
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 # Name -> how to build it. A random built-in is deterministic everywhere (fixed seed); prompts are token ids.
 # A shipped built-in is a checkpoint directory inside the package (see its README.md model card).
 BUILTINS = {
-    "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train_tiny.py
-    # issue 15's yardsticks, trained on the stdlib mixed with generated exact-answer tasks (tools/synth_tasks.py):
+    "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train/train_tiny.py
+    # issue 15's yardsticks, trained on the stdlib mixed with generated exact-answer tasks (tools/train/synth_tasks.py):
     "tiny-llada2.1": {"path": ASSETS / "tiny-llada2.1"},  # LLaDA2 MoE, block diffusion + T2T editing, 8K context
     "tiny-llada": {"path": ASSETS / "tiny-llada"},  # LLaDA (bidirectional MHA), masked diffusion, 2K context
     "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0, "routing": "random"},  # its weights as ever
@@ -41,18 +40,3 @@ def init_random(model, seed: int, std: float = 0.02, embed_std: float = 1.0, rou
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * scale)
     if routing == "balanced":
         routing_init.balance(model)
-
-
-def load(name: str, device="cpu", dtype=torch.float32, mask_token_id=None, eos_token_id=None):
-    from compiledllm.loader import build_random
-
-    if name not in BUILTINS:
-        raise UserError(f"unknown built-in model {name!r} (built-ins: {', '.join(BUILTINS)})")
-    spec = BUILTINS[name]
-    if "path" in spec:
-        from compiledllm.loader import load_model
-
-        return load_model(str(spec["path"]), device=device, dtype=dtype, mask_token_id=mask_token_id,
-                          eos_token_id=eos_token_id)
-    return build_random(spec["preset"], device=device, dtype=dtype, seed=spec["seed"], mask_token_id=mask_token_id,
-                        eos_token_id=eos_token_id, routing=spec["routing"])

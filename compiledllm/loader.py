@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from compiledllm import builtin
+from compiledllm.builtin import init_random
+from compiledllm.devices import DEVICE_TYPES, DTYPES, available_devices, parse_device, parse_dtype  # noqa: F401
 from compiledllm.errors import UserError
 from compiledllm.models import (KNOWN_ARCHITECTURES, BlockDiffusionLM, architecture_module, build_model,
                                 resolve_architecture)
@@ -31,42 +34,7 @@ if TYPE_CHECKING:
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters save; recomputed here
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-DEVICE_TYPES = ("cpu", "cuda")
-
-
-def parse_dtype(dtype, what: str = "model.dtype") -> torch.dtype:
-    """A floating torch dtype from a torch.dtype or one of DTYPES' names."""
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise UserError(f"{what}: {dtype!r} is not one of float32, bfloat16, float16")
-
-
-def available_devices() -> list[str]:
-    return ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
-
-
-def parse_device(value, what: str = "model.device") -> torch.device:
-    """A device this process can place a model on (cpu, cuda, cuda:N of an existing GPU), from a string or a
-    torch.device; anything else is a UserError naming `what` and the devices there are."""
-    here = f"available here: {', '.join(available_devices())}"
-    if not isinstance(value, (str, torch.device)):
-        raise UserError(f"{what}: expected a device name such as cpu or cuda:0, got {value!r} ({here})")
-    try:
-        device = torch.device(value)
-    except RuntimeError:  # torch's message lists every device type it knows, most of which compiledllm never runs
-        raise UserError(f"{what}: {str(value)!r} is not a device name ({here})") from None
-    if device.type not in DEVICE_TYPES:
-        raise UserError(f"{what}: compiledllm runs models on cpu or cuda, not {device.type!r} ({here})")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"{what}: {value}: CUDA is not available in this process ({here})")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"{what}: {value} does not exist ({here})")
-    return device
+# DTYPES, DEVICE_TYPES, parse_dtype, available_devices, parse_device: devices.py's, still importable from here
 
 
 def parse_path(path) -> str:
@@ -83,7 +51,7 @@ def parse_path(path) -> str:
 def checkpoint_dir(path: str, revision: str | None) -> Path:
     """The checkpoint directory `path` names: a local one (it wins over a Hub name of the same spelling), else the
     cache snapshot of the Hugging Face model ORG/NAME; a name that is neither says which forms a model takes."""
-    from compiledllm import builtin, hub
+    from compiledllm import hub
 
     if Path(path).exists():
         return Path(path)
@@ -393,7 +361,6 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
     (models/presets.py) or an inline config.json mapping: real-size shapes for benchmarks without checkpoints.
     routing: "balanced" (MoE routing spread like a trained load-balanced router's, models/routing.py) or "random"
     (the plain normal init, whose router touches few experts per block)."""
-    from compiledllm.builtin import init_random
     from compiledllm.models.presets import PRESETS
     from compiledllm.models.routing import check_routing
 
@@ -424,8 +391,8 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
     packages are native code that runs in this process. revision: the Hub model's branch, tag or commit. mesh:
     this rank's share of a model split over several ranks (parallel/): a checkpoint's share is read alone
     (load_checkpoint), a random built-in's is cut from the whole."""
-    from compiledllm import builtin, hub
-    from compiledllm.export.runtime import is_exported, load_exported  # runtime imports this module's parsers
+    from compiledllm import hub
+    from compiledllm.export.runtime import is_exported, load_exported  # lazily: it pulls in the KV cache and plans
     from compiledllm.parallel.shard import shard_model
 
     split = mesh is not None and mesh.world > 1
@@ -447,10 +414,24 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
         if split and "path" in builtin.BUILTINS[path]:  # a shipped checkpoint: read per slice like any other
             return load_model(str(builtin.BUILTINS[path]["path"]), device, dtype, mask_token_id, eos_token_id,
                               mesh=mesh)
-        model = builtin.load(path, device=device, dtype=dtype, mask_token_id=mask_token_id, eos_token_id=eos_token_id)
+        model = load_builtin(path, device=device, dtype=dtype, mask_token_id=mask_token_id,
+                             eos_token_id=eos_token_id)
         return shard_model(model, mesh) if split else model
     return load_checkpoint(checkpoint_dir(path, revision), device, dtype, mask_token_id, eos_token_id,
                            allow_nonfinite=allow_nonfinite, mesh=mesh)[0]
+
+
+def load_builtin(name: str, device="cpu", dtype=torch.float32, mask_token_id=None,
+                 eos_token_id=None) -> BlockDiffusionLM:
+    """A built-in model by name (builtin.BUILTINS): its shipped checkpoint, or its deterministic random weights."""
+    if not builtin.is_builtin(name):
+        raise UserError(f"unknown built-in model {name!r} (built-ins: {', '.join(builtin.BUILTINS)})")
+    spec = builtin.BUILTINS[name]
+    if "path" in spec:
+        return load_model(str(spec["path"]), device=device, dtype=dtype, mask_token_id=mask_token_id,
+                          eos_token_id=eos_token_id)
+    return build_random(spec["preset"], device=device, dtype=dtype, seed=spec["seed"], mask_token_id=mask_token_id,
+                        eos_token_id=eos_token_id, routing=spec["routing"])
 
 
 def load_checkpoint(path: Path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from compiledllm.attention.spec import BlockCausal, Bidirectional
+from compiledllm.devices import parse_device, parse_dtype
 from compiledllm.errors import UserError
 from compiledllm.kv.cache import KVCache
-from compiledllm.loader import parse_device, parse_dtype
 from compiledllm.models.config import ConfigFacts, InvalidConfig, ModelConfig, check_int, read_json, show
 from compiledllm.policies.plan import Forward
 from compiledllm.tokenizer import TextTokenizer, one_line

@@ -21,21 +21,30 @@ Selection only (want_output=False) reads keys only. Results do not depend on `th
 the AVX-512-BF16 and portable paths return identical topk_idx and lse on the same data: the order of
 the float32 adds in each score is fixed (ext/cpu_select.h), and every dot-product form (FMA,
 VDPBF16PS, and AMX tiles for G*n_q >= 16 rows where a start-up self-check finds them bit-identical)
-follows it.
+follows it. The form is each call's argument (`dot_form`, DOT_FORMS), never a setting left behind.
 gather() copies the selected rows into one contiguous [2, B, KVH, topk, D] bf16 buffer
 (K then V; zero rows for -1), pinned when CUDA is available, ready for one H2D copy per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["SelectResult", "select", "gather", "read_probe", "isa", "cpu_features", "extension_available",
-           "set_dot_form", "amx_status"]
+           "amx_status", "DOT_FORMS"]
 
 MAX_G, MAX_NQ = 8, 64
+# How the AVX-512 path forms bf16 dot products (the same bits in every form): 'fma', 'vdpbf16ps' (slow on some
+# CPUs), 'amx' (tiles for 16 or more query rows per KV head; needs amx_status()['active']; fewer rows take the auto
+# form) or 'auto' (AMX where active, else the faster of the other two, measured once per process). 'amx_inexact' is
+# the one form outside the contract: AMX tiles wherever the OS grants them, even where the self-check found this
+# CPU's TDPBF16PS rounding differently (the H200 host's does), so its scores may differ in the last bit and its
+# positions at near-ties. The portable path ignores the form.
+DOT_FORMS = ("auto", "fma", "vdpbf16ps", "amx", "amx_inexact")
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,12 @@ def isa() -> str:
     return _ext().isa()
 
 
-def cpu_features() -> dict[str, bool | str]:
+def cpu_features(dot_form: str = "auto") -> dict[str, bool | str]:
     """CPU and build features, the AMX entries of amx_status() (prefixed amx_), and the dot-product
-    forms in use: 'dot' for fewer than 16 query rows per KV head, 'dot_many_rows' for 16 or more."""
-    return dict(_ext().cpu_features())
+    forms select(..., dot_form=dot_form) uses: 'dot' for fewer than 16 query rows per KV head,
+    'dot_many_rows' for 16 or more."""
+    with _dot(dot_form):
+        return dict(_ext().cpu_features())
 
 
 def amx_status() -> dict[str, bool | str]:
@@ -84,14 +95,32 @@ def amx_status() -> dict[str, bool | str]:
             "active": f["amx_active"], "reason": f["amx_reason"]}
 
 
-def set_dot_form(mode: str) -> None:
-    """How the AVX-512 path forms bf16 dot products (the same bits in every form): 'fma', 'vdpbf16ps'
-    (slow on some CPUs), 'amx' (tiles for 16 or more query rows per KV head; needs amx_status()
-    ['active']; fewer rows take the auto form) or 'auto' (AMX where active, else the faster of the
-    other two, measured once per process). 'amx_inexact' is the one form outside the contract: AMX tiles
-    wherever the OS grants them, even where the self-check found this CPU's TDPBF16PS rounding differently
-    (the H200 host's does), so its scores may differ in the last bit and its positions at near-ties."""
-    _ext().set_dot(mode)
+# The extension keeps the form in one process-wide slot (ext/module.cpp set_dot). Each call sets the slot to its own
+# form and holds it for the call: calls with the same form run concurrently, one with another form waits for them.
+_dot_cond = threading.Condition()
+_dot_set: str | None = None  # the slot's form (None: not set by this module yet)
+_dot_users = 0  # calls running with it
+
+
+@contextmanager
+def _dot(form: str) -> Iterator[None]:
+    """Hold the extension's dot-product form at `form` (one of DOT_FORMS) for a call: ValueError for an unknown
+    form, RuntimeError for one this CPU lacks (the extension's messages)."""
+    global _dot_set, _dot_users
+    with _dot_cond:
+        while _dot_users and _dot_set != form:
+            _dot_cond.wait()
+        if _dot_set != form:
+            _ext().set_dot(form)  # checks the form first: on an error the slot is unchanged
+            _dot_set = form
+        _dot_users += 1
+    try:
+        yield
+    finally:
+        with _dot_cond:
+            _dot_users -= 1
+            if not _dot_users:
+                _dot_cond.notify_all()
 
 
 def _score_tile(keys: torch.Tensor, q: torch.Tensor, c: float, form: str) -> torch.Tensor:
@@ -185,12 +214,14 @@ def select(
     portable: bool = False,
     prefetch: int = 1,
     prefetch_l2: bool = True,
+    dot_form: str = "auto",
     _score_budget: int = 0,
 ) -> SelectResult:
     """One layer for a batch (see the module docstring). topk=None skips the selection;
     want_output=False skips V (selection only); portable=True forces the portable path;
     prefetch is a software prefetch distance in 16-key tiles (0: hardware prefetch only), into L2
-    with prefetch_l2; the default (1 tile, L2) was the fastest on the H200 host. Neither changes results."""
+    with prefetch_l2; the default (1 tile, L2) was the fastest on the H200 host. dot_form: how the
+    AVX-512 path forms dot products (DOT_FORMS). None of these changes results (but 'amx_inexact')."""
     k_cache = _check_cache("k_cache", k_cache)
     B, KVH, S, D = k_cache.shape
     _check_head_dim(D)
@@ -215,16 +246,17 @@ def select(
     out = torch.empty((B, Hq, n_q, D), dtype=torch.float32) if want_output else None
     lse = torch.empty((B, Hq, n_q), dtype=torch.float32) if want_lse else None
     v = v_cache if want_output else None
-    path = _ext().select(
-        k_cache.data_ptr(), v.data_ptr() if v is not None else 0,
-        k_cache.stride()[:3], v.stride()[:3] if v is not None else (0, 0, 0),
-        B, KVH, D, lens.data_ptr(), q.data_ptr(), q.stride()[:3], Hq // KVH, n_q, scale,
-        topk if topk is not None else 0,
-        idx.data_ptr() if idx is not None else 0,
-        out.data_ptr() if out is not None else 0,
-        lse.data_ptr() if lse is not None else 0,
-        threads, portable, prefetch, bool(prefetch_l2), _score_budget,
-    )
+    with _dot(dot_form):
+        path = _ext().select(
+            k_cache.data_ptr(), v.data_ptr() if v is not None else 0,
+            k_cache.stride()[:3], v.stride()[:3] if v is not None else (0, 0, 0),
+            B, KVH, D, lens.data_ptr(), q.data_ptr(), q.stride()[:3], Hq // KVH, n_q, scale,
+            topk if topk is not None else 0,
+            idx.data_ptr() if idx is not None else 0,
+            out.data_ptr() if out is not None else 0,
+            lse.data_ptr() if lse is not None else 0,
+            threads, portable, prefetch, bool(prefetch_l2), _score_budget,
+        )
     return SelectResult(idx, out, lse, path)
 
 

@@ -91,16 +91,12 @@ def test_paths_forms_and_threads_agree_bitwise(n_q):
     variants = [{"threads": 2}, {"threads": 3, "portable": True}, {"threads": 2, "_score_budget": 1},
                 {"prefetch": 2}, {"prefetch": 1, "prefetch_l2": True}]
     forms = AVX_FORMS + (["amx"] if AMX["active"] else []) or ["auto"]
-    try:
-        for form in forms:
-            cs.set_dot_form(form)
-            for kw in variants:
-                other = cs.select(q, k, v, lengths, 400, **kw)
-                assert torch.equal(other.topk_idx, base.topk_idx), (form, kw)
-                assert torch.equal(other.lse, base.lse), (form, kw)
-                torch.testing.assert_close(other.out, base.out, rtol=1e-5, atol=1e-6)
-    finally:
-        cs.set_dot_form("auto")
+    for form in forms:
+        for kw in variants:
+            other = cs.select(q, k, v, lengths, 400, dot_form=form, **kw)
+            assert torch.equal(other.topk_idx, base.topk_idx), (form, kw)
+            assert torch.equal(other.lse, base.lse), (form, kw)
+            torch.testing.assert_close(other.out, base.out, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
@@ -276,24 +272,20 @@ def test_amx_status_is_consistent():
     if cs.isa() == "avx512bf16":
         assert f["dot_many_rows"] in ("fma", "vdpbf16ps")
     with pytest.raises(RuntimeError, match="AMX is not active"):
-        cs.set_dot_form("amx")
+        cs.cpu_features(dot_form="amx")
 
 
 def test_amx_inexact_is_an_explicit_opt_in():
     """'amx_inexact' (AMX tiles whatever the self-check found) is never the auto choice, and where the tiles
     are missing forcing it fails with the reason instead of silently scoring another way."""
     if AMX["cpu"] and AMX.get("os"):
-        cs.set_dot_form("amx_inexact")
-        try:
-            assert cs.cpu_features()["dot_many_rows"] == "amx"
-        finally:
-            cs.set_dot_form("auto")
+        assert cs.cpu_features(dot_form="amx_inexact")["dot_many_rows"] == "amx"
         assert cs.cpu_features()["dot_many_rows"] == ("amx" if AMX["active"] else cs.cpu_features()["dot"])
     else:
         with pytest.raises(RuntimeError, match="AMX tiles are not available"):
-            cs.set_dot_form("amx_inexact")
+            cs.cpu_features(dot_form="amx_inexact")
     with pytest.raises(ValueError, match="amx_inexact"):
-        cs.set_dot_form("amx-approx")
+        cs.cpu_features(dot_form="amx-approx")
 
 
 def test_amx_selfcheck_gives_a_verdict_where_amx_exists():
@@ -314,18 +306,13 @@ def test_amx_matches_other_forms_bitwise(D, G, n_q, lengths):
     and close to portable's."""
     q, k, v = _data(len(lengths), 2, max(lengths), D, G, n_q, seed=D + len(lengths))
     topk = 205
-    try:
-        cs.set_dot_form("amx")
-        amx = cs.select(q, k, v, lengths, topk)
-        assert cs.cpu_features()["dot_many_rows"] == "amx"
-        for form in AVX_FORMS:
-            cs.set_dot_form(form)
-            other = cs.select(q, k, v, lengths, topk)
-            assert torch.equal(other.topk_idx, amx.topk_idx), form
-            assert torch.equal(_bits(other.lse), _bits(amx.lse)), form
-            assert torch.equal(_bits(other.out), _bits(amx.out)), form
-    finally:
-        cs.set_dot_form("auto")
+    amx = cs.select(q, k, v, lengths, topk, dot_form="amx")
+    assert cs.cpu_features(dot_form="amx")["dot_many_rows"] == "amx"
+    for form in AVX_FORMS:
+        other = cs.select(q, k, v, lengths, topk, dot_form=form)
+        assert torch.equal(other.topk_idx, amx.topk_idx), form
+        assert torch.equal(_bits(other.lse), _bits(amx.lse)), form
+        assert torch.equal(_bits(other.out), _bits(amx.out)), form
     port = cs.select(q, k, v, lengths, topk, portable=True)
     assert torch.equal(port.topk_idx, amx.topk_idx) and torch.equal(_bits(port.lse), _bits(amx.lse))
     torch.testing.assert_close(port.out, amx.out, rtol=1e-5, atol=1e-6)
@@ -349,3 +336,20 @@ def test_amx_code_under_emulation(tmp_path):
     bad = subprocess.run([str(exe), "pair-sum"], capture_output=True, text=True, check=True, timeout=120).stdout
     assert "selfcheck: failed" in bad and "pair-sum-first matches" in bad, bad
     assert "layout: 0 of " not in bad, bad
+
+
+def test_dot_form_is_each_calls_argument_not_a_setting():
+    """select(..., dot_form=F) scores with F for that call only: a later call without it takes 'auto' again, and
+    cpu_features(dot_form=F) names the forms F gives."""
+    assert not hasattr(cs, "set_dot_form")
+    auto = cs.cpu_features()
+    q, k, v = _data(1, 2, 300, 64, 4, 5, seed=3)
+    base = cs.select(q, k, v, [300], 20)
+    for form in AVX_FORMS:
+        assert cs.cpu_features(dot_form=form)["dot"] == form
+        other = cs.select(q, k, v, [300], 20, dot_form=form)
+        assert torch.equal(other.topk_idx, base.topk_idx) and torch.equal(other.lse, base.lse)
+        assert cs.cpu_features() == auto
+    with pytest.raises(ValueError, match="amx_inexact"):
+        cs.select(q, k, v, [300], 20, dot_form="amx-approx")
+    assert cs.cpu_features() == auto
