@@ -15,7 +15,7 @@ Per policy and task file it reports:
   agreement        share of generated positions equal to the reference policy's output (micro average)
   agreement_exact  share of tasks whose output equals the reference policy's output
   forwards, tokens, tokens_per_forward, wall_s, tokens_per_s (prefill forwards are not counted), blocks
-and for the T2T policies (t2t, flowblock, flowblock_sync; policies/t2t.py EditRecord), where an edit rewrites an
+and for the T2T policies (t2t, flowblock, flowblock_sync; policies/edits.py EditRecord), where an edit rewrites an
 already generated token and each edited position is judged by its draft (the first token written there) and its
 final token against the reference (positions inside both the output and the reference):
   edits            rewrites made (a position rewritten twice counts twice; the whole working length)
@@ -253,18 +253,18 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
                      on_policy, on_result) -> None:
     """One policy over the tasks: its outputs and metrics (agreement is added once the reference is known)."""
     from compiledllm.engine import Engine, EngineConfig
-    from compiledllm.policies.t2t import EditRecord
+    from compiledllm.policies import record_edits
+    from compiledllm.policies.edits import EditRecord
 
     prompts = [t.prompt_ids for t in tasks]
     refs = [t.reference_ids for t in tasks]
     if on_policy is not None:
         on_policy(label)
     params = {k: v for k, v in policy.items() if k != "label"}
+    params = record_edits(params, n_new)  # T2T policies: drafts at the positions scored, the first n_new generated
     engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
                                         cuda_graphs=cuda_graphs))
     tracked = isinstance(engine.policy, EditRecord)
-    if tracked:  # drafts at the positions scored: the first n_new generated ones
-        engine.policy.track_edits(n_new)
     t0 = time.perf_counter()
     results = engine.generate(prompts, on_result=on_result)
     if model.device.type == "cuda":

@@ -25,11 +25,11 @@ from typing import Literal
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.errors import UserError
-from compiledllm.policies.base import Policy, State, check_probability, top_confident
-from compiledllm.policies.plan import Forward, Update
-from compiledllm.policies.t2t import EditRecord, T2TConfig, slide_blocks
+from compiledllm.policies.base import Policy, State, check_probability
+from compiledllm.policies.edits import EditRecord, slide_blocks
+from compiledllm.policies.plan import Forward, Update, window_forward
+from compiledllm.policies.t2t import T2TConfig, t2t_step
 
 # where a token was first drafted (M2T): in block L, or in a block after it; EDITED added once T2T changed it
 FRONT, DOWNSTREAM, EDITED = 1, 2, 2
@@ -41,8 +41,8 @@ class FlowBlockConfig(T2TConfig):
     spawn: float = 0.6
     readiness: Literal["before", "after"] = "before"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __post_init__(self, edit_span: int) -> None:
+        super().__post_init__(edit_span)
         if self.window < 1:
             raise ValueError(f"window: must be >= 1, got {self.window}")
         check_probability("spawn", self.spawn)
@@ -80,27 +80,19 @@ class FlowBlockPolicy(EditRecord, Policy):
 
     def plan(self, phase, st) -> Forward:
         idx, tokens, gen, live = self.window(st)
-        spec = AttentionSpec(BlockCausal(self.block_size), prefix_len=st.block_start)
-        return Forward(tokens, idx, spec, kv_write=torch.where(st.active[:, None] & live, idx, -1), logits_rows=gen)
+        return window_forward(tokens, idx, st.block_start, self.block_size, st.active[:, None] & live,
+                              logits_rows=gen)
 
     def update(self, phase, st, fwd, logits) -> Update:
         c, W, Bk = self.config, self.W, self.block_size
         idx, tokens, gen, live = self.window(st)
         B = idx.shape[0]
         v, p = self.choose(logits, gen, self.noise_keys(st, idx, st.policy["draws"]))
-        blk = (B, W, Bk)
-        t3, g3, v3, p3 = tokens.view(blk), gen.view(blk), v.view(blk), p.view(blk)
-        masked = (t3 == self.mask_id) & g3
-        live_blk = live.view(blk)[..., 0]
-        no_mask = live_blk & ~masked.any(-1)
-        post = torch.where(live_blk, st.policy["post"] + no_mask.long(), 0)
-        expired = no_mask & (post > c.max_post_steps)
-        m2t = masked & (p3 > c.threshold)
-        one = torch.ones(B * W, dtype=torch.long, device=p.device)
-        fallback = top_confident(p3.reshape(B * W, Bk), masked.reshape(B * W, Bk), one).view(blk)
-        m2t = torch.where(m2t.any(-1, keepdim=True), m2t, fallback) & ~expired[..., None]
-        t2t = g3 & ~masked & (p3 > c.edit_threshold) & (v3 != t3) & ~expired[..., None]
-        finished = expired | (no_mask & ~t2t.any(-1))
+        blk, rows = (B, W, Bk), (B * W, Bk)  # t2t's rule on every window block: one row per block
+        step = t2t_step(c, self.mask_id, tokens.reshape(rows), gen.reshape(rows), v.reshape(rows), p.reshape(rows),
+                        st.policy["post"].reshape(B * W), live.reshape(rows)[:, 0])
+        masked, m2t, t2t, p3 = step.masked.view(blk), step.m2t.view(blk), step.t2t.view(blk), p.view(blk)
+        post, finished = step.post.view(B, W), step.done.view(B, W)
         retire = finished.long().cumprod(1).sum(1)  # the leading run of finished blocks
 
         width = st.policy["more"] + 1
@@ -116,7 +108,7 @@ class FlowBlockPolicy(EditRecord, Policy):
         else:
             new_width = kept + ((kept < W) & (kept < remaining) & (rho >= c.spawn)).long()
 
-        new_tokens = torch.where(m2t | t2t, v3, t3).view(B, W * Bk)
+        new_tokens = step.tokens.view(B, W * Bk)
         state = self._track(st.policy, m2t.view(B, -1), t2t.view(B, -1), retire)
         state |= self.edit_update(st.policy, idx, tokens, new_tokens, gen, st.prompt_len, retire)
         state |= {"more": (new_width - 1).clamp(min=0), "post": slide_blocks(post, retire, 1),
