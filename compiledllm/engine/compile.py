@@ -1,5 +1,5 @@
-"""torch.compile of a step's phases: regional (each decoder layer a compiled region) or whole, and Dynamo's
-recompile budget for them."""
+"""torch.compile of a step's phases: regional (each decoder layer a compiled region) or whole, and the context in
+which they compile (Dynamo's recompile limits, lifted for the stepper's own calls only)."""
 from __future__ import annotations
 
 import torch
@@ -12,25 +12,24 @@ from compiledllm.engine.step import Regions, finish_phase
 INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
 
 
-def make_room(variants: int) -> None:
-    """Raise Dynamo's recompile limit by the compiled variants one more stepper can add to a code object. The
-    layers' regions share one code object, and every engine in the process shares them and the finish step:
-    each engine adds its (layer kind x bucket x phase) variants, and a policy's settings are guarded values, so
-    `eval` over several policies adds variants per policy. A fixed limit would end a long process with a hard
-    failure."""
-    cfg = torch._dynamo.config
-    cfg.recompile_limit += variants
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, cfg.recompile_limit)  # per code object
+def compile_room():
+    """The context in which a Stepper's compiled regions compile and run: Dynamo's recompile limits lifted for the
+    calls inside it only. A stepper compiles what its shapes need (layer kinds x buckets x phase shapes), and every
+    engine in a process adds its variants to the same code objects (the layers' regions and the finish), so a
+    fixed limit would turn a needed compile into a silent eager fallback in a long process (eval over several
+    policies); raising it process-wide would change every other caller's torch.compile behind its back."""
+    return torch._dynamo.config.patch(recompile_limit=ROOM, accumulated_recompile_limit=ROOM)
 
 
-def compiled_regions(model, buckets: int, phases: int) -> Regions:
+ROOM = 1 << 16  # per code object, inside compile_room only
+
+
+def compiled_regions(model) -> Regions:
     """Regional compilation: each decoder layer is a compiled region, and the layers of a kind share one compiled
     graph per (bucket, phase shape) (same code, parameters as inputs), so start-up compiles ~2 layers and the finish
     per bucket and phase instead of the whole unrolled model; the few ops between regions (plan, embedding, rotary
     tables, head) run eagerly, inside the CUDA graph like the rest. The model itself stays uncompiled (prefill
     chunks of every length run it eagerly). Static shapes per bucket keep the generated kernels specialised."""
-    kinds = len({type(layer.mlp) for layer in model.layers})
-    make_room(kinds * buckets * phases)
     layers = tuple(torch.compile(layer, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
                    for layer in model.layers)
     return Regions(layers, torch.compile(finish_phase, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS))

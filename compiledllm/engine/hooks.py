@@ -1,7 +1,15 @@
-"""What the host sees between steps, and what a policy's host hooks get (docs/design.md §2)."""
+"""What the host sees around a step, and what a policy's host hooks get (docs/design.md §2).
+
+Per step the session calls, on the host: `Policy.on_blocks` for rows that begin a block, `Policy.schedule` (which
+phases run, each on every decoding row or on a subset), `Policy.before_step`, the step itself (replayed graphs or
+eager phases), the one host sync (`StepReport`), then `Policy.after_step`. Host work that must overlap the GPU step
+goes to `HostContext.worker` (one thread, owned by the session) or queues device work on `side_stream`.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +25,44 @@ class StepReport:
 
 
 @dataclass(frozen=True)
+class StepView:
+    """The step about to run: the decoding slots, and those that begin a block with it (admitted, or whose last
+    step retired a block); slots as they are now, after any compaction."""
+
+    rows: tuple[int, ...]
+    begun: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """A phase that runs on some rows only: `rows` (slots) run it on the smallest bucket that holds them, the others
+    take no part (no token, KV or count changes). A policy lists the phases that may run so in `Policy.row_phases`."""
+
+    phase: str
+    rows: tuple[int, ...]
+
+
+Schedule = Sequence[str | PhaseRun]
+
+
+@dataclass
 class HostContext:
-    """Handed to Policy.on_blocks: the engine's buffers and its side stream (None on the CPU) for work that must
-    overlap the main stream (HERALD's selection, for one)."""
+    """Handed to a policy's host hooks: the engine's buffers, its KV store, the side stream (None on the CPU) and a
+    one-thread worker for host work that overlaps the GPU step (HERALD's selection, for one)."""
 
     model: object
     st: SlotState
     kv: object | None
     side_stream: torch.cuda.Stream | None
+    _worker: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    @property
+    def worker(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compiledllm-host")
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None

@@ -20,13 +20,16 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def activation_tier(model, slots: int, capacity: int, block: int, prefill_tokens: int = 0) -> Tier:
+def activation_tier(model, slots: int, capacity: int, block: int, prefill_tokens: int = 0,
+                    whole_sequence: bool | None = None) -> Tier:
     """A step's (or a prefill forward's) activations, logits and softmax on the model's device (a generous
-    estimate)."""
+    estimate); whole_sequence: some forward covers every position of every slot (default: the model is
+    bidirectional)."""
     c = model.config
-    tokens = slots * capacity if model.bidirectional else max(slots * block, min(prefill_tokens, slots * capacity))
+    whole = model.bidirectional if whole_sequence is None else whole_sequence
+    tokens = slots * capacity if whole else max(slots * block, min(prefill_tokens, slots * capacity))
     nbytes = tokens * (4 * c.hidden_size + 3 * c.intermediate_size) * 4 + slots * block * c.vocab_size * 4 * 3
-    if model.bidirectional:  # dense attention scores of the whole sequence
+    if whole:  # dense attention scores of the whole sequence
         nbytes += slots * c.num_heads * capacity * capacity * 4
     return Tier("activations", model.device, nbytes)
 

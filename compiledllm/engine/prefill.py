@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.engine.state import SlotState
-from compiledllm.kv.cache import KVCache
-from compiledllm.policies.plan import Forward
+from compiledllm.kv.store import KVStore
+from compiledllm.policies.plan import window_forward
 
 MIN_CHUNK = 128  # smallest chunk bucket (or one block, if larger): shorter tails pad up to it
 
@@ -80,7 +79,7 @@ class Prefiller:
     def pieces(self, slots: Sequence[int]) -> list[tuple[int, int]]:
         return split_rows(slots, self.row_sizes)
 
-    def run(self, st: SlotState, kv: KVCache, first: int, rows: int, progress: dict[int, Progress]) -> int:
+    def run(self, st: SlotState, kv: KVStore, first: int, rows: int, progress: dict[int, Progress]) -> int:
         """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written."""
         slots = range(first, first + rows)
         left = [progress[s].left for s in slots]
@@ -93,7 +92,7 @@ class Prefiller:
             written += step
         return written
 
-    def _forward(self, st: SlotState, kv: KVCache, first: int, rows: int, done: list[int], ends: list[int],
+    def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
                  C: int) -> None:
         dev = st.seq.device
         start = torch.tensor(done, device=dev)
@@ -102,7 +101,7 @@ class Prefiller:
         real = pos < end[:, None]
         cap = st.seq.shape[1]
         tokens = torch.where(real, st.seq[first : first + rows].gather(1, pos.clamp(max=cap - 1)), self.model.mask_token_id)
-        spec = AttentionSpec(BlockCausal(self.block), prefix_len=start)
         last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
-        fwd = Forward(tokens, pos.clamp(max=cap - 1), spec, kv_write=torch.where(real, pos, -1), logits_at=last)
-        self.model(fwd, kv.rows(first, first + rows))
+        fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real, write=torch.where(real, pos, -1),
+                             logits_at=last)
+        self.model(fwd, kv.prefill_rows(first, first + rows))

@@ -1,7 +1,7 @@
 """Static per-slot buffers the decode step reads and updates in place (preallocated once per engine)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,19 +19,36 @@ class SlotState:
     retired: torch.Tensor      # [B] long: blocks the last step retired (read by the host sync with `active`)
     key: torch.Tensor          # [B] long: the request's sampling key (policies/sampling.py request_key)
     policy: State              # the policy's per-row state
+    params: State = field(default_factory=dict)  # per-request settings the policy reads (Policy.row_params), [B]
+    selected: torch.Tensor | None = None  # [B] bool: the rows a row-subset phase runs on (hooks.PhaseRun)
 
     @classmethod
-    def allocate(cls, batch: int, capacity: int, policy_state: State, fill: int, device) -> "SlotState":
+    def allocate(cls, batch: int, capacity: int, policy_state: State, fill: int, device,
+                 params: State | None = None) -> "SlotState":
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
                    work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
-                   steps=zeros(), retired=zeros(), key=zeros(), policy=policy_state)
+                   steps=zeros(), retired=zeros(), key=zeros(), policy=policy_state, params=params or {},
+                   selected=torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-slot buffer by name (policy state and params prefixed), for moving a row."""
+        fixed = {f: getattr(self, f) for f in ("seq", "prompt_len", "work_len", "block_start", "active", "steps",
+                                              "retired", "key")}
+        return fixed | {f"policy.{k}": v for k, v in self.policy.items()} | {f"params.{k}": v
+                                                                            for k, v in self.params.items()}
 
     def view(self, rows: int) -> "SlotState":
         """The first `rows` slots, as views: a step on the view updates these buffers in place."""
         return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
                          self.active[:rows], self.steps[:rows], self.retired[:rows], self.key[:rows],
-                         {k: v[:rows] for k, v in self.policy.items()})
+                         {k: v[:rows] for k, v in self.policy.items()}, {k: v[:rows] for k, v in self.params.items()},
+                         None if self.selected is None else self.selected[:rows])
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's request into slot dst (every buffer's row)."""
+        for t in self.tensors().values():
+            t[dst] = t[src]
 
     def host_view(self) -> tuple[list[bool], list[int]]:
         """(active, retired) per slot: the one host sync of a step."""

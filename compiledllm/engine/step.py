@@ -25,17 +25,24 @@ class Regions:
 
 
 def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Regions | None = None,
-              kernels: Kernels | None = None, eos_id: int | None = None) -> None:
+              kernels: Kernels | None = None, eos_id: int | None = None, subset: bool = False) -> None:
     """One phase for every slot; `regions`: compiled forms of the layers and the finish (default: eager);
     `kernels`: the implementations every forward uses instead of the policy's choice (benchmarks' A/B);
-    `eos_id`: the token that ends a request (default the model's; -1: none)."""
+    `eos_id`: the token that ends a request (default the model's; -1: none); `subset`: only the rows in
+    st.selected take part (hooks.PhaseRun): the others are inactive for this phase and keep their state."""
+    whole = st
+    if subset:
+        st = replace(st, active=st.active & st.selected)
     fwd = policy.plan(phase, st)
     if kernels is not None:
         fwd = replace(fwd, kernels=kernels)
     logits = model(fwd, kv, layers=None if regions is None else regions.layers)
     with profile_range("acceptance"):
         (finish_phase if regions is None else regions.finish)(policy, phase, st, fwd, logits,
-                                                              model.eos_token_id if eos_id is None else eos_id)
+                                                              model.eos_token_id if eos_id is None else eos_id,
+                                                              kv if policy.kv_hook else None)
+    if subset:
+        whole.active.copy_(torch.where(whole.selected, st.active, whole.active))
 
 
 def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | None = None) -> None:
@@ -44,8 +51,14 @@ def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | N
         run_phase(model, policy, ph, st, kv)
 
 
-def finish_phase(policy: Policy, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor, eos_id: int) -> None:
-    apply_update(st, policy.update(phase, st, fwd, logits), policy.block_size, eos_id)
+def finish_phase(policy: Policy, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor, eos_id: int,
+                 kv=None) -> None:
+    """The update, the policy's post-forward KV hook (given `kv`: Policy.after_forward, captured with the step),
+    then the engine's bookkeeping."""
+    upd = policy.update(phase, st, fwd, logits)
+    if kv is not None:
+        policy.after_forward(phase, st, fwd, upd, kv)
+    apply_update(st, upd, policy.block_size, eos_id)
 
 
 def apply_update(st: SlotState, upd: Update, block: int, eos_id: int) -> None:

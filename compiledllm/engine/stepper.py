@@ -7,6 +7,7 @@ replay runs the whole phase (plan, forward, update, bookkeeping) with no host wo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Sequence
@@ -14,10 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from compiledllm.attention.spec import Kernels
-from compiledllm.engine.compile import INDUCTOR_OPTIONS, compiled_regions, make_room
+from compiledllm.engine.hooks import PhaseRun, Schedule
+from compiledllm.engine.compile import INDUCTOR_OPTIONS, compile_room, compiled_regions
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import run_phase
-from compiledllm.kv.cache import KVCache
+from compiledllm.kv.store import KVStore
 from compiledllm.policies.base import Policy
 
 
@@ -27,7 +29,7 @@ def default_buckets(slots: int) -> list[int]:
 
 
 class Stepper:
-    def __init__(self, model, policy: Policy, st: SlotState, kv: KVCache | None, buckets: list[int], compile: bool,
+    def __init__(self, model, policy: Policy, st: SlotState, kv: KVStore | None, buckets: list[int], compile: bool,
                  cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None, eos_id: int | None = None):
         """kernels: the implementations every forward uses instead of the policy's default (benchmarks' A/B);
         eos_id: the token that ends a request (default the model's; -1: none, every request runs to its length)."""
@@ -35,12 +37,11 @@ class Stepper:
         self.buckets = sorted(set(buckets))
         whole = compile and not regional
         self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b, indexed=whole)) for b in self.buckets}
-        phases = len(policy.phases)
+        self.compiled = compile
         if whole:  # each phase as one graph per bucket (benchmarks' A/B; slow to compile)
-            make_room(len(self.buckets) * phases)
             fn = torch.compile(run_phase, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         elif compile:
-            fn = functools.partial(run_phase, regions=compiled_regions(model, len(self.buckets), phases))
+            fn = functools.partial(run_phase, regions=compiled_regions(model))
         else:
             fn = run_phase
         fn = functools.partial(fn, eos_id=model.eos_token_id if eos_id is None else eos_id)
@@ -57,7 +58,8 @@ class Stepper:
         self.startup_s = time.perf_counter() - t0
 
     def _call(self, phase: str, bucket: int) -> None:
-        self.fn(self.model, self.policy, phase, *self.views[bucket])
+        with compile_room() if self.compiled else contextlib.nullcontext():
+            self.fn(self.model, self.policy, phase, *self.views[bucket], subset=phase in self.policy.row_phases)
 
     def _capture(self) -> None:
         """Warm up (and compile) each (phase, bucket) on a side stream, then capture it. Runs while every slot is
@@ -79,10 +81,19 @@ class Stepper:
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, rows: int, phases: Sequence[str] | None = None) -> None:
-        """One step (the given phases, default all, in order) over (at least) the first `rows` slots."""
-        b = self.bucket_for(rows)
-        for ph in phases or self.policy.phases:
+    def run(self, rows: int, phases: Schedule | None = None, selected: torch.Tensor | None = None) -> None:
+        """One step over (at least) the first `rows` slots: the given phases (default all) in order. A PhaseRun runs
+        on its rows only, on the smallest bucket that holds them; `selected` (st.selected) takes its row mask."""
+        for ph in phases if phases is not None else self.policy.phases:
+            if isinstance(ph, PhaseRun):
+                if not ph.rows:
+                    continue
+                mask = torch.zeros(selected.shape[0], dtype=torch.bool)
+                mask[list(ph.rows)] = True
+                selected.copy_(mask, non_blocking=True)
+                b, ph = self.bucket_for(1 + max(ph.rows)), ph.phase
+            else:
+                b = self.bucket_for(rows)
             graph = self.graphs.get((ph, b))
             if graph is not None:
                 graph.replay()

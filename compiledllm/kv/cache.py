@@ -27,6 +27,9 @@ class LayerKV(Protocol):
     @property
     def length(self) -> torch.Tensor | None: ...
 
+    @property
+    def index(self) -> torch.Tensor | None: ...  # [B, S]: this layer's own kv_index over a pool (None: the forward's)
+
     def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
@@ -44,6 +47,7 @@ class CacheLayer:
     k_full: torch.Tensor
     v_full: torch.Tensor
     length: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     @property
     def k(self) -> torch.Tensor:
@@ -68,11 +72,12 @@ class IndexedCacheLayer:
 
     k_all: torch.Tensor  # [B, layers, S + 1, KVH, D]
     v_all: torch.Tensor
-    index: int
+    layer_index: int
     length: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     def _layer(self) -> CacheLayer:
-        return CacheLayer(self.k_all[:, self.index], self.v_all[:, self.index])
+        return CacheLayer(self.k_all[:, self.layer_index], self.v_all[:, self.layer_index])
 
     @property
     def k(self) -> torch.Tensor:
@@ -154,6 +159,14 @@ class KVCache:
         """A view of slots [start, end) (writes go to this cache)."""
         return KVCache(self.k_full[start:end], self.v_full[start:end], self.recording,
                        self.indexed if indexed is None else indexed)
+
+    def prefill_rows(self, start: int, end: int) -> "KVCache":
+        return self.rows(start, end)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Slot src's first `length` positions (every layer) to slot dst."""
+        self.k_full[dst, :, :length] = self.k_full[src, :, :length]
+        self.v_full[dst, :, :length] = self.v_full[src, :, :length]
 
     def recording_view(self) -> "KVCache":
         return KVCache(self.k_full, self.v_full, recording=True)

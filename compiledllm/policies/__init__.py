@@ -5,7 +5,7 @@ package, with `register_policy`): the engine runs any policy's plans without cha
 """
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import cache
 from typing import get_type_hints
 
@@ -14,6 +14,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
+from compiledllm.policies.edits import EditRecord
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
 from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
@@ -31,6 +32,9 @@ def register_policy(name: str, config_cls: type[PolicyConfig], policy_cls: type[
     """Make a policy available by name in recipes (`policy: {name: NAME, ...}`)."""
     if name in POLICIES and POLICIES[name] != (config_cls, policy_cls):
         raise ValueError(f"policy {name!r} is already registered")
+    other = next((n for n, (c, _) in POLICIES.items() if c is config_cls and n != name), None)
+    if other is not None:  # make_policy finds a policy by its config's class: one class, one policy
+        raise ValueError(f"policy {name!r}: config class {config_cls.__name__} already belongs to policy {other!r}")
     POLICIES[name] = (config_cls, policy_cls)
 
 
@@ -87,9 +91,19 @@ def make_policy(config: PolicyConfig, mask_id: int, bidirectional: bool = False)
     raise UserError(f"no policy for config {type(config).__name__}")
 
 
+def record_edits(params: dict | PolicyConfig, span: int) -> PolicyConfig:
+    """The policy's config (from params, as policy_config) with its edit record on for the first `span` generated
+    positions where its policy keeps one (an EditRecord: t2t, flowblock, flowblock_sync); any other unchanged."""
+    config = policy_config(params)
+    policy_cls = next((p for c, p in POLICIES.values() if type(config) is c), None)
+    if policy_cls is None or not issubclass(policy_cls, EditRecord):
+        return config
+    return replace(config, edit_span=span)
+
+
 def policy_name(config: PolicyConfig) -> str:
     return next(n for n, (c, _) in POLICIES.items() if type(config) is c)
 
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "FlowBlockConfig", "make_policy", "policy_config",
-           "policy_name", "register_policy", "resolve_block"]
+           "policy_name", "record_edits", "register_policy", "resolve_block"]

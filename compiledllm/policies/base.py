@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compiledllm.attention.spec import AttentionSpec, BlockCausal, Bidirectional
-from compiledllm.policies.plan import Forward, State, Update
+from compiledllm.attention.spec import AttentionSpec, Bidirectional
+from compiledllm.kv.store import DeviceKV
+from compiledllm.policies.plan import Forward, State, Update, route_groups, window_forward
 from compiledllm.policies.sampling import Sampling, noise_key, sampled_confidence
 from compiledllm.triton_support import triton_on_cuda
 
 if TYPE_CHECKING:
-    from compiledllm.engine.hooks import HostContext
+    from compiledllm.engine.hooks import HostContext, Schedule, StepReport, StepView
     from compiledllm.engine.state import SlotState
+    from compiledllm.kv.store import KVLayout
 
 
 @dataclass(frozen=True)
@@ -135,13 +137,55 @@ class Policy(ABC):
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         """What `phase` changes, from the logits [B, K, V] (the model's dtype; defined where fwd.logits_rows)."""
 
-    def schedule(self, host: Any) -> tuple[str, ...]:
-        """The phases of the next step, chosen on the host from what the last sync returned (default: all)."""
+    # --- where KV lives (kv/store.py) -------------------------------------------------------------------------
+    @property
+    def caches_kv(self) -> bool:
+        """Whether this policy keeps KV between forwards (default: block-causal models do; a policy may cache for a
+        bidirectional model too, approximately, as Fast-dLLM's prefix cache does)."""
+        return not self.bidirectional
+
+    def kv_layout(self, model, slots: int, capacity: int) -> KVLayout | None:
+        """The KV store this policy decodes against, sized before anything is allocated (None: nothing cached).
+        Default: every layer of every slot in one device cache."""
+        return DeviceKV.for_model(model, slots, capacity) if self.caches_kv else None
+
+    def prefill_end(self, prompt_len: int) -> int:
+        """Positions [0, end) the engine prefills into the KV before a request's first step (0: none)."""
+        return self.first_block(prompt_len) if self.caches_kv else 0
+
+    kv_hook = False  # True: after_forward runs inside every phase (captured with it), with the step's KV store
+
+    def after_forward(self, phase: str, st: SlotState, fwd: Forward, upd: Update, kv) -> None:
+        """Device work on the KV store after a phase's forward and update, before the engine applies the update
+        (st as the forward saw it): gather a selection into a pool, stage a draft's KV. Pure tensor work, captured
+        with the phase; only called when `kv_hook` is True."""
+
+    # --- per request ---------------------------------------------------------------------------------------------
+    def row_params(self) -> dict[str, float]:
+        """Settings a request may override without changing shapes (name -> this config's value): the engine keeps
+        one [B] float32 buffer each in st.params, filled per request at admission (EngineSession.add(policy=...))."""
+        return {}
+
+    # --- host hooks (engine/hooks.py) ----------------------------------------------------------------------------
+    row_phases: tuple[str, ...] = ()  # phases that `schedule` may run on a subset of rows (hooks.PhaseRun)
+
+    def schedule(self, step: StepView) -> Schedule:
+        """The phases of the next step, chosen on the host (default: all, on every decoding row); a phase listed in
+        `row_phases` may come as PhaseRun(phase, rows), and a phase left out does not run."""
         return self.phases
 
     def on_blocks(self, host: HostContext, rows: list[int]) -> None:
         """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
         device work on host.side_stream. Default: none."""
+
+    def before_step(self, host: HostContext, step: StepView) -> None:
+        """Host work right before the step is launched (wait for an event, hand work to host.worker)."""
+
+    def after_step(self, host: HostContext, report: StepReport) -> None:
+        """Host work right after the step's one sync (collect what host.worker computed meanwhile)."""
+
+    def on_move(self, host: HostContext, src: int, dst: int) -> None:
+        """A request moved from slot src to dst (compaction); its buffers and KV moved already: move host state."""
 
     def report(self, st: SlotState, slot: int) -> dict:
         """Per-request statistics of the policy, read once the request in `slot` ended (GenerationResult.extra)."""
@@ -162,10 +206,11 @@ class BlockPolicy(Policy):
         if self.bidirectional:
             B, T = st.seq.shape
             pos = torch.arange(T, device=st.seq.device).expand(B, T)
-            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), logits_at=idx, logits_rows=need)
-        write = torch.where(st.active[:, None], idx, -1)  # finished rows write nothing
-        return Forward(tokens, idx, AttentionSpec(BlockCausal(self.block_size), prefix_len=st.block_start),
-                       kv_write=write, logits_rows=need)
+            live = (pos < st.work_len[:, None]) & st.active[:, None]  # past the working sequence: padding
+            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), logits_at=idx, logits_rows=need,
+                           route_groups=route_groups(pos, self.block_size, live))
+        # the block against the cached prefix; a finished row writes nothing and routes nowhere
+        return window_forward(tokens, idx, st.block_start, self.block_size, st.active[:, None], logits_rows=need)
 
     def needed(self, tokens: torch.Tensor, gen: torch.Tensor, state: State) -> torch.Tensor:
         """[B, Bk] bool: the block positions whose logits `update` reads (the head may skip the others)."""
@@ -178,11 +223,12 @@ class BlockPolicy(Policy):
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)
         gen = pos >= st.prompt_len[:, None]
-        new, done, state = self.decide(tokens, logits, gen, st.policy, self.noise_keys(st, pos))
+        new, done, state = self.decide(tokens, logits, gen, st.policy | st.params, self.noise_keys(st, pos))
         return Update(torch.where(gen, pos, -1), new, done.long(), state)
 
     @abstractmethod
     def decide(self, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State,
                keys: torch.Tensor | None):
-        """tokens / gen [B, Bk], logits [B, Bk, V], keys: for `choose` -> (new tokens [B, Bk], block done [B] bool,
-        new state, already reset for the rows whose block is done)."""
+        """tokens / gen [B, Bk], logits [B, Bk, V], state: the policy's state and the rows' params (row_params),
+        keys: for `choose` -> (new tokens [B, Bk], block done [B] bool, new state (the policy's keys only), already
+        reset for the rows whose block is done)."""

@@ -56,9 +56,10 @@ def check_rule(rule: str) -> None:
         raise ValueError(f"rule: must be one of {', '.join(RULES)}, got {rule!r}")
 
 
-def select(rule: str, p: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, tau: float, fixed: bool) -> torch.Tensor:
+def select(rule: str, p: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, tau: float | torch.Tensor,
+           fixed: bool) -> torch.Tensor:
     """[B, L] bool: the masked positions a step fills. p [B, L] confidences, k [B]: this step's count, already capped
-    at the masks left (1 without `steps`), fixed: `steps` is set."""
+    at the masks left (1 without `steps`), tau: a number or [B, 1] per row, fixed: `steps` is set."""
     if rule == "sdar_static" or (rule == "fast_dllm" and fixed):
         return top_confident(p, masked, k)
     if rule == "fast_dllm":  # the most confident one always, then every one at or above tau

@@ -61,6 +61,9 @@ class ThresholdPolicy(BlockPolicy):
     def init_state(self, batch: int, device) -> State:
         return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
 
+    def row_params(self) -> dict[str, float]:
+        return {"threshold": self.config.threshold}  # a request may ask for its own tau (the same shapes)
+
     def needed(self, tokens, gen, state):
         return (tokens == self.mask_id) & gen
 
@@ -69,7 +72,8 @@ class ThresholdPolicy(BlockPolicy):
         v, p = self.choose(logits, masked, keys)
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
-        accept = select(self.config.rule, p, masked, k_min, self.config.threshold, self.config.steps is not None)
+        tau = state["threshold"][:, None] if "threshold" in state else self.config.threshold
+        accept = select(self.config.rule, p, masked, k_min, tau, self.config.steps is not None)
         # Done when this forward saw the block final (its KV is the block's). Nothing is cached for bidirectional
         # models, so there the block is done as soon as its last MASK is filled: no forward only to look at it.
         done = n_masked == 0

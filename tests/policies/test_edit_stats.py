@@ -9,6 +9,7 @@ from checkpoints import write_checkpoint
 import compiledllm
 import compiledllm.engine.step as step
 from compiledllm.engine import Engine
+from compiledllm.policies.sampling import request_key
 
 BK, NEW = 4, 14
 # threshold 0: the first forward of a block fills it; edit_threshold 0.9: on this checkpoint some blocks get no edit,
@@ -26,10 +27,11 @@ def model(tmp_path_factory):
 
 
 def decode(model, policy: dict, span: int | None, monkeypatch=None, batch: int = len(PROMPTS)):
-    """Results of one batch (slot s = prompt s) and, with monkeypatch, the engine's writes logged literally:
-    per slot, the first token written at each position, the positions whose non-MASK token a write changed, and
-    the count of such changes."""
+    """Results of one batch and, with monkeypatch, the engine's writes logged literally: per request (a slot's
+    request is known by its sampling key: the session moves rows between slots), the first token written at each
+    position, the positions whose non-MASK token a write changed, and the count of such changes."""
     log = [{"first": {}, "edited": set(), "edits": 0} for _ in PROMPTS]
+    request = {request_key(0, i): i for i in range(len(PROMPTS))}
     if monkeypatch is not None:
         apply = step.apply_update
 
@@ -39,12 +41,13 @@ def decode(model, policy: dict, span: int | None, monkeypatch=None, batch: int =
             for s in range(st.seq.shape[0]):  # the bucket: the first rows
                 if not active[s]:
                     continue
+                r = request[int(st.key[s])]
                 for pos in (st.seq[s] != before[s]).nonzero().flatten().tolist():
                     old, new = int(before[s, pos]), int(st.seq[s, pos])
-                    log[s]["first"].setdefault(pos, new)
+                    log[r]["first"].setdefault(pos, new)
                     if old != model.mask_token_id:
-                        log[s]["edited"].add(pos)
-                        log[s]["edits"] += 1
+                        log[r]["edited"].add(pos)
+                        log[r]["edits"] += 1
 
         monkeypatch.setattr(step, "apply_update", logged)
     engine = Engine(model, policy, max_new_tokens=NEW, batch_size=batch)
@@ -99,3 +102,37 @@ def test_record_in_captured_and_compiled_steps_equals_eager(tmp_path, name):
         runs.append([(r.output_ids, r.steps, r.extra) for r in engine.generate(PROMPTS)])
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert sum(extra["edits"] for _, _, extra in runs[0]) > 0
+
+
+@pytest.mark.parametrize("name", ["t2t", "flowblock"])
+def test_a_config_built_with_edit_span_records_as_track_edits_does(model, name):
+    """evaluate's way (policies.record_edits: the frozen config carries edit_span) == the track_edits shim."""
+    from compiledllm.policies import record_edits
+
+    shim, _ = decode(model, POLICIES[name], NEW + BK)
+    config = record_edits(POLICIES[name], NEW + BK)
+    assert config.edit_span == NEW + BK
+    built = Engine(model, config, max_new_tokens=NEW, batch_size=len(PROMPTS)).generate(PROMPTS)
+    assert [(r.output_ids, r.steps, r.extra) for r in built] == [(r.output_ids, r.steps, r.extra) for r in shim]
+
+
+def test_edit_span_is_a_frozen_config_value_not_a_recipe_key():
+    from dataclasses import FrozenInstanceError, replace
+
+    from compiledllm.errors import UserError
+    from compiledllm.policies import policy_config, record_edits
+    from compiledllm.policies.t2t import T2TConfig, T2TPolicy
+
+    config = T2TConfig(edit_span=6)
+    assert replace(config, block_size=4).edit_span == 6 and config.with_block(8).edit_span == 6
+    with pytest.raises(FrozenInstanceError):
+        config.edit_span = 1
+    with pytest.raises(ValueError, match="edit_span"):
+        T2TConfig(edit_span=-1)
+    with pytest.raises(UserError, match="edit_span: unknown parameter"):
+        policy_config({"name": "t2t", "edit_span": 3})
+    assert record_edits({"name": "threshold"}, 6) == policy_config({"name": "threshold"})  # no record to keep
+    policy = T2TPolicy(T2TConfig(block_size=4), mask_id=1)
+    assert policy.edit_span == 0 and "drafts" not in policy.init_state(2, "cpu")
+    policy.track_edits(3)
+    assert policy.config.edit_span == 3 and policy.init_state(2, "cpu")["drafts"].shape == (2, 4)

@@ -23,3 +23,18 @@ def test_fixed_steps_give_exactly_steps_accepting_forwards_per_block(tmp_path):
                    max_new_tokens=24)[0]
     assert len(out.output_ids) == 24 and out.blocks == 3
     assert out.steps == 3 * (5 + 1)
+
+
+def test_a_config_class_belongs_to_one_policy():
+    """make_policy finds the policy by its config's class: registering that class again under another name would
+    silently run the first policy, so it is refused."""
+    import pytest
+
+    from compiledllm.policies import register_policy
+    from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
+
+    class Other(ThresholdPolicy):
+        pass
+
+    with pytest.raises(ValueError, match="config class ThresholdConfig already belongs to policy 'threshold'"):
+        register_policy("other_threshold", ThresholdConfig, Other)

@@ -85,7 +85,8 @@ def roofline_ms(costs: dict, ceil: dict) -> tuple[float, str]:
 def synthetic_state(model, policy, batch: int, context: int) -> tuple[SlotState, KVCache]:
     cfg, dev = model.config, model.device
     capacity = context + 16 * BLOCK
-    st = SlotState.allocate(batch, capacity, policy.init_state(batch, dev), model.mask_token_id, dev)
+    params = {k: torch.full((batch,), float(v), device=dev) for k, v in policy.row_params().items()}  # as a session
+    st = SlotState.allocate(batch, capacity, policy.init_state(batch, dev), model.mask_token_id, dev, params)
     st.seq[:, :context] = torch.randint(0, cfg.vocab_size - 2, (batch, context), device=dev)
     st.prompt_len.fill_(context)
     st.work_len.fill_(capacity)

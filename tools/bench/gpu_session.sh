@@ -7,7 +7,9 @@
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
 # sampling (tools/bench/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
-# attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS)
+# attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS),
+# session (issue 26's GPU tests: sessions, policy-owned KV, hooks, route groups, block routing, captured), e2evs
+# (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -70,7 +72,7 @@ if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + 
 fi
 if has versus; then  # this tree against an earlier commit's tree in .base/ (git archive REV compiledllm tools), same
   # device call, alternating base / new so that drift shows as the spread between the rounds
-  for round in 1 2; do
+  for round in $(seq 1 ${VERSUS_ROUNDS:-2}); do
     modes=${VERSUS_MODES:-graphs,compiled+graphs}
     [ "$round" = 2 ] && modes=${VERSUS_MODES2:-graphs}
     for side in base new; do
@@ -79,6 +81,16 @@ if has versus; then  # this tree against an earlier commit's tree in .base/ (git
       (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${VERSUS_TIMEOUT:-280} python3 $bench \
         --plan "${VERSUS_PLAN:-llada2.0-mini:4096,32768}" --batches "${VERSUS_BATCHES:-32}" --modes "$modes" \
         --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -4)
+    done
+  done
+fi
+if has e2evs; then  # issue 26: compiledllm bench end to end, .base/ (the commit before) and this tree, alternating
+  for round in $(seq 1 ${E2E_ROUNDS:-1}); do
+    for side in base new; do
+      dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${E2EVS_TIMEOUT:-200} python3 -m compiledllm bench \
+        recipes/profile_llada2_mini.yaml --prompt-len ${E2EVS_PROMPTS:-4096,32000} --output-len 512 --batch 32 \
+        --out "$OUT/e2evs_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -5)
     done
   done
 fi
@@ -134,4 +146,10 @@ if has selection; then  # build, the CPU selection tests (AMX ones fail, not ski
   else
     echo "selection: build_ext failed, see selection_build.log"; tail -20 "$OUT/selection_build.log"
   fi
+fi
+if has session; then  # issue 26: captured sessions, the demonstrations' captured steps, the engine's GPU tests
+  timeout ${SESSION_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu ${SESSION_TESTS:-tests/engine/test_session.py \
+    tests/policies/test_sparse_pool.py tests/policies/test_prefix_cache.py tests/policies/test_block_routed.py \
+    tests/models/test_route_groups.py tests/engine/test_gpu_engine.py} -p no:cacheprovider 2>&1 \
+    | tee "$OUT/session_gpu_tests.log" | tail -8
 fi

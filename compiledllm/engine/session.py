@@ -1,0 +1,344 @@
+"""EngineSession: requests join and leave a running engine one step at a time (docs/design.md §1).
+
+A session is allocated and captured once for (slots, KV capacity, batch buckets). `add` queues a request with its
+own settings (RequestParams), `cancel` ends one (its slot is free for the next step), `step` runs one schedule
+round and returns what happened (BlockEvent: a request's newly retired tokens; FinishEvent: its result), and
+`has_work` says whether anything is queued or decoding. Engine.generate, LLM, bench, eval and the data-parallel
+replicas are loops over it, as a server is (nano-vllm's LLMEngine.generate over add_request / step).
+
+One step: cancellations; admission of queued requests into the lowest free slots; compaction (live rows moved
+into the low slots so the batch bucket follows them); prefill (scheduler.py's rules); the policy's block hook for
+rows that begin decoding; the policy's schedule, `before_step`, the step's phases, the one host sync, `after_step`;
+then collection (events, finished rows freed) and the block hook for rows that begin a block.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.engine.hooks import HostContext, StepReport, StepView
+from compiledllm.engine.memory import activation_tier, check_fits
+from compiledllm.engine.prefill import Prefiller, Progress
+from compiledllm.engine.request import (BlockEvent, Event, FinishEvent, FinishReason, GenerationResult, RequestParams,
+                                        working_length)
+from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces
+from compiledllm.engine.state import SlotState
+from compiledllm.engine.stepper import Stepper, default_buckets
+from compiledllm.errors import UserError
+from compiledllm.policies.sampling import request_key
+from compiledllm.profiling import phase as profile_range
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new: int
+    stop: tuple[str, ...]
+    key: int
+    params: dict[str, float]
+    arrival: float
+    slot: int | None = None
+    admitted: int = -1                # admission order (prefill serves the earliest first)
+    prefill: Progress | None = None
+    first_block: float | None = None
+    sent: int = 0                     # generated tokens already reported in BlockEvents
+
+
+class EngineSession:
+    def __init__(self, engine, slots: int, capacity: int, block_events: bool = True):
+        """engine: the Engine whose model, policy and settings this session runs; `slots` request slots with a KV
+        capacity of `capacity` positions each; block_events: report BlockEvents (off: only FinishEvents; stop
+        strings then take effect when a request ends)."""
+        self.engine, self.model, self.policy = engine, engine.model, engine.policy
+        self.slots, self.capacity, self.block_events = slots, capacity, block_events
+        self.block = self.policy.block_size
+        self.st, self.kv = self._allocate()
+        cfg = engine.config
+        buckets = engine.buckets or (default_buckets(slots) if engine.cuda_graphs or not engine.compile else [slots])
+        buckets = [b for b in buckets if b <= slots]
+        if not buckets or max(buckets) < slots:
+            buckets = [*buckets, slots]
+        self.eos = -1 if cfg.ignore_eos else self.model.eos_token_id
+        self.stepper = Stepper(self.model, self.policy, self.st, self.kv, buckets, engine.compile, engine.cuda_graphs,
+                               eos_id=self.eos)
+        static = engine.static
+        self.prefiller = None if self.kv is None else Prefiller(self.model, self.block, cfg.prefill_chunk,
+                                                                cfg.prefill_tokens, static.buckets if static else None)
+        self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
+        self.startup_s = self.stepper.startup_s
+        self._queue: deque[_Request] = deque()
+        self._live: dict[int, _Request] = {}          # every request queued or in a slot, by id
+        self._owner: list[_Request | None] = [None] * slots
+        self._cancel: set[int] = set()
+        self._begun: list[int] = []                    # slots that begin a block with the next step
+        self._admitted = 0
+        self._counts = Counters()
+        self.t0 = time.perf_counter()
+
+    def _allocate(self) -> tuple[SlotState, object | None]:
+        model, device, policy = self.model, self.model.device, self.policy
+        layout = policy.kv_layout(model, self.slots, self.capacity)
+        tiers = [activation_tier(model, self.slots, self.capacity, self.block, self.engine.config.prefill_tokens,
+                                 whole_sequence=policy.bidirectional)]
+        tiers += layout.tiers() if layout is not None else []
+        check_fits(tiers, self.slots, self.capacity)
+        params = {k: torch.full((self.slots,), float(v), device=device) for k, v in policy.row_params().items()}
+        try:
+            st = SlotState.allocate(self.slots, self.capacity, policy.init_state(self.slots, device),
+                                    model.mask_token_id, device, params)
+            kv = layout.allocate() if layout is not None else None
+        except torch.OutOfMemoryError:
+            raise UserError(f"batch_size {self.slots} with {self.capacity} positions does not fit in {device} "
+                            "memory") from None
+        return st, kv
+
+    # --- requests ------------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds since the session started (after compile / capture)."""
+        return time.perf_counter() - self.t0
+
+    def add(self, request_id: int, prompt: list[int], params: RequestParams | None = None,
+            arrival: float | None = None) -> None:
+        """Queue a request (token ids); it joins a free slot at the next step. arrival: its arrival time on the
+        session clock (default now), from which its latency is counted."""
+        eng, params = self.engine, params or RequestParams()
+        if request_id in self._live:
+            raise UserError(f"request {request_id}: already in this session")
+        prompt = list(eng.check_prompt(request_id, prompt))
+        max_new = params.max_new_tokens or eng.max_new_tokens
+        need = working_length(len(prompt), max_new, self.block, self.policy.first_block(len(prompt)))
+        if need > self.capacity:
+            raise UserError(f"request {request_id}: a prompt of {len(prompt)} tokens plus max_new_tokens {max_new} "
+                            f"needs {need} positions; this session's KV capacity is {self.capacity}")
+        row = self.policy.row_params()
+        unknown = sorted(set(params.policy) - set(row))
+        if unknown:
+            raise UserError(f"policy.{unknown[0]}: not a per-request setting of policy {self.policy.name} "
+                            f"(those are: {', '.join(row) or 'none'})")
+        if params.stop and self.model.tokenizer is None:
+            raise UserError(f"request {request_id}: stop strings need a tokenizer; this model has none")
+        seed = self.policy.sampling.seed if params.seed is None else params.seed
+        req = _Request(request_id, prompt, max_new, params.stop, request_key(seed, request_id),
+                       row | params.policy, self.now() if arrival is None else float(arrival))
+        self._queue.append(req)
+        self._live[request_id] = req
+
+    def cancel(self, request_id: int) -> bool:
+        """End a request at the next step (its FinishEvent says "cancelled"); False if it is not in the session."""
+        if request_id not in self._live:
+            return False
+        self._cancel.add(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def slot_of(self, request_id: int) -> int | None:
+        """The slot a request decodes in (None: queued, or not in the session)."""
+        req = self._live.get(request_id)
+        return None if req is None else req.slot
+
+    @property
+    def running(self) -> int:
+        return sum(o is not None for o in self._owner)
+
+    # --- one step ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        self._cancellations(events)
+        ready = self._admit()
+        self._compact()
+        ready = [s for s, o in enumerate(self._owner) if o is not None and o.id in ready]
+        owner, st, policy = self._owner, self.st, self.policy
+        prefilling = [s for s, o in enumerate(owner) if o is not None and o.prefill.left > 0]
+        decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
+        if prefilling:
+            t = time.perf_counter()
+            ready += self._prefill(prefilling, everyone=not decoding)
+            if decoding:  # those rows waited for this forward before their next step
+                self._counts.stalled(time.perf_counter() - t)
+        if ready:
+            st.active[ready] = True
+            policy.on_blocks(self.host, ready)
+        decoding = sorted(decoding + ready)
+        if not decoding:
+            return events
+        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))))
+        policy.before_step(self.host, view)
+        t = time.perf_counter()
+        self.stepper.run(1 + max(decoding), policy.schedule(view), st.selected)
+        report = StepReport(*st.host_view())  # the one host sync of a step
+        st.retired.zero_()
+        self._counts.decode_s += time.perf_counter() - t
+        self._counts.decode_steps += 1
+        policy.after_step(self.host, report)
+        self._collect(decoding, report, events)
+        return events
+
+    def _cancellations(self, events: list[Event]) -> None:
+        for rid in sorted(self._cancel):
+            req = self._live.get(rid)
+            if req is None:
+                continue
+            if req.slot is None:
+                self._queue.remove(req)
+            else:
+                self.st.active[req.slot] = False
+            events.append(FinishEvent(rid, self._finish(req, "cancelled")))
+        self._cancel.clear()
+
+    def _admit(self) -> set[int]:
+        """Queued requests into free slots, lowest first; returns the ids of those that need no prefill."""
+        ready = set()
+        for s in range(self.slots):
+            if self._owner[s] is None and self._queue:
+                req = self._queue.popleft()
+                req.slot, req.admitted = s, self._admitted
+                self._admitted += 1
+                req.prefill = self._place(s, req)
+                self._owner[s] = req
+                if req.prefill.left == 0:
+                    ready.add(req.id)
+        return ready
+
+    def _place(self, s: int, req: _Request) -> Progress:
+        """Write a request into slot s; it decodes once [0, policy.prefill_end) is in its KV (Progress)."""
+        st, P = self.st, len(req.prompt)
+        st.seq[s].fill_(self.model.mask_token_id)
+        st.seq[s, :P] = torch.tensor(req.prompt, device=st.seq.device)
+        start = self.policy.first_block(P)
+        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, req.max_new, self.block, start), start
+        cached = self.policy.prefill_end(P) if self.kv is not None else 0
+        st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
+        st.key[s] = req.key  # its own noise: batch invariant
+        for v in st.policy.values():
+            v[s] = 0
+        for k, v in st.params.items():
+            v[s] = req.params[k]
+        return Progress(0, cached)
+
+    def _compact(self) -> None:
+        """Move the highest live rows into free low slots while that lets a smaller batch bucket hold them all."""
+        owner = self._owner
+        live = [s for s, o in enumerate(owner) if o is not None]
+        if not live:
+            return
+        target = self.stepper.bucket_for(len(live))
+        free = [s for s in range(target) if owner[s] is None]
+        for src in sorted((s for s in live if s >= target), reverse=True):
+            dst = free.pop(0)
+            req = owner[src]
+            self.st.move(src, dst)
+            if self.kv is not None:
+                self.kv.move(src, dst, int(self.st.work_len[dst]))
+            owner[dst], owner[src], req.slot = req, None, dst
+            self._begun = [dst if b == src else b for b in self._begun]
+            self.policy.on_move(self.host, src, dst)
+
+    def _prefill(self, prefilling: list[int], everyone: bool) -> list[int]:
+        """Prefill chunk forwards (scheduler.prefill_pieces); returns the slots whose prefill is complete."""
+        owner = self._owner
+        progress = {s: owner[s].prefill for s in prefilling}
+        pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, everyone)
+        t = time.perf_counter()
+        with profile_range("prefill"):
+            for first, rows in pieces:
+                self._counts.prefill_tokens += self.prefiller.run(self.st, self.kv, first, rows, progress)
+                self._counts.prefill_forwards += 1
+            if self.st.seq.device.type == "cuda":
+                torch.cuda.synchronize(self.st.seq.device)  # prefill time as spent, not as queued
+        self._counts.prefill_s += time.perf_counter() - t
+        return [s for s in prefilling if progress[s].left == 0]
+
+    def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:
+        begun, now = [], self.now()
+        for s in decoding:
+            req = self._owner[s]
+            reason = None
+            if report.retired[s]:
+                if req.first_block is None:
+                    req.first_block = now
+                if self.block_events:
+                    reason = self._block_event(s, req, events)
+            if report.active[s] and reason is None:
+                if report.retired[s]:
+                    begun.append(s)
+                continue
+            if reason is not None:
+                self.st.active[s] = False
+            events.append(FinishEvent(req.id, self._finish(req, reason)))
+        self._begun = begun
+        if begun:
+            self.policy.on_blocks(self.host, begun)
+
+    def _block_event(self, s: int, req: _Request, events: list[Event]) -> FinishReason | None:
+        """Report the slot's newly final tokens; returns "stop" when they complete a stop string."""
+        P = len(req.prompt)
+        end = min(int(self.st.block_start[s]), P + req.max_new)
+        new = self.st.seq[s, P + req.sent : end].tolist()
+        if self.eos in new:
+            new = new[: new.index(self.eos) + 1]
+        if not new:
+            return None
+        req.sent += len(new)
+        events.append(BlockEvent(req.id, new))
+        return "stop" if req.stop and self._stop_at(req, self.st.seq[s, P : P + req.sent].tolist()) else None
+
+    def _stop_at(self, req: _Request, out: list[int]) -> tuple[int, int] | None:
+        """(tokens, characters) of the output up to its first stop string (tokens: the shortest prefix whose text
+        holds it), or None."""
+        decode = self.model.tokenizer.decode
+        text = decode(out)
+        hits = [i for i in (text.find(x) for x in req.stop) if i >= 0]
+        if not hits:
+            return None
+        holds = lambda n: any(x in decode(out[:n]) for x in req.stop)  # noqa: E731
+        n = bisect.bisect_left(range(len(out) + 1), True, key=holds)
+        return n, min(hits)
+
+    def _finish(self, req: _Request, reason: FinishReason | None) -> GenerationResult:
+        """The request's result; its slot (if any) is free from now on."""
+        st, P, s = self.st, len(req.prompt), req.slot
+        tok, now = self.model.tokenizer, self.now()
+        if s is None:  # cancelled while queued
+            out, steps, blocks, extra = [], 0, 0, {}
+        else:
+            end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
+            out = st.seq[s, P:end].tolist()
+            steps, extra = int(st.steps[s]), self.policy.report(st, s)
+            blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
+            self._owner[s] = None
+        text = None
+        if reason is None or reason == "stop":
+            if self.eos in out:
+                out, reason = out[: out.index(self.eos) + 1], "eos"
+            cut = self._stop_at(req, out) if req.stop else None
+            if cut is not None:
+                out, reason = out[: cut[0]], "stop"
+                text = tok.decode(out)[: cut[1]]
+            reason = reason or "length"
+        if text is None and tok is not None:
+            text = tok.decode(out)
+        self._counts.generated_tokens += len(out)
+        del self._live[req.id]
+        first = req.first_block if req.first_block is not None else now
+        return GenerationResult(index=req.id, prompt_ids=list(req.prompt), output_ids=out, steps=steps, blocks=blocks,
+                                latency_s=now - req.arrival, text=text, extra=extra, arrival_s=req.arrival,
+                                first_block_s=first - req.arrival, finish_reason=reason)
+
+    def stats(self) -> RunStats:
+        return self._counts.stats(self.now(), self.startup_s)
+
+    def close(self) -> None:
+        """Stop the host worker (a session's buffers go with the object)."""
+        self.host.close()
