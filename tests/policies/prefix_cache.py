@@ -1,0 +1,133 @@
+"""A test-only cached policy for a bidirectional model (LLaDA), shaped like Fast-dLLM v1's prefix cache
+(NVlabs/Fast-dLLM, llada/generate.py: generate_with_prefix_cache). Like two_block.py and draft_decode.py it lives
+outside the package and needs no edit to the engine: registered with `register_policy`, the engine runs it.
+
+Blocks start at the prompt's end (`first_block(P) = P`, as threshold's rule fast_dllm) and the working sequence
+ends a whole number of blocks after it. Per block:
+
+* phase "refresh", once, when the block begins: one forward over the whole working sequence (Bidirectional(work
+  length), no KV source) writes the KV of every position, and its logits at the block make the block's first
+  transfer;
+* phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
+  block and everything after it, bidirectional among themselves, Q = the KV capacity, padding hidden) against the
+  cached prefix [0, block_start) as the refresh wrote it; nothing is written to the cache.
+
+Transfer rule (Fast-dLLM's): the most confident masked position of the block always, plus every masked block
+position with p >= tau. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
+forward only to look at the finished block), in either phase.
+
+A step is [PhaseRun("refresh", the rows that begin a block), "decode"]: the refresh runs on the rows that need it
+only. The per-row flag `fresh` (the cache holds this block's refresh) keeps correctness independent of that host
+schedule: refresh acts on stale rows only, decode on fresh rows only, and a block that completes clears it. `nfe`
+counts the forwards each row really made (the engine's `steps` counts one per phase for every active row, so a
+decode phase that only follows a refresh which retired the row's block counts there too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, Bidirectional
+from compiledllm.engine.hooks import PhaseRun
+from compiledllm.errors import UserError
+from compiledllm.policies.base import Policy, PolicyConfig, check_probability
+from compiledllm.policies.peer_rules import select
+from compiledllm.policies.plan import Forward, Update, route_groups
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig(PolicyConfig):
+    threshold: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_probability("threshold", self.threshold)
+
+
+class PrefixCachePolicy(Policy):
+    name = "prefix_cache"
+    config: PrefixCacheConfig
+    phases = ("refresh", "decode")
+    row_phases = ("refresh",)
+
+    def __init__(self, config, mask_id, bidirectional=False):
+        if not bidirectional:
+            raise UserError("policy prefix_cache: Fast-dLLM's prefix cache of a bidirectional model (LLaDA); a "
+                            "block-causal model's own KV cache is exact: use threshold")
+        super().__init__(config, mask_id, bidirectional)
+        # per step, on the host: (decoding slots, slots the refresh ran on) - this instance's own record
+        self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    # --- where KV lives ------------------------------------------------------------------------------------------
+    @property
+    def caches_kv(self) -> bool:
+        return True  # the refresh's KV of the prefix, read by the block's decode forwards
+
+    def prefill_end(self, prompt_len: int) -> int:
+        return 0  # the refresh forward writes every position: nothing to prefill
+
+    def first_block(self, prompt_len: int) -> int:
+        return prompt_len  # Fast-dLLM's blocks start where the prompt ends
+
+    def init_state(self, batch, device):
+        zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
+        return {"fresh": zeros(), "nfe": zeros()}
+
+    # --- the step ------------------------------------------------------------------------------------------------
+    def acting(self, phase: str, st) -> torch.Tensor:
+        """[B] bool: the rows this phase forwards for (refresh: stale rows, decode: fresh ones)."""
+        fresh = st.policy["fresh"] > 0
+        return st.active & (fresh if phase == "decode" else ~fresh)
+
+    def block(self, st) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx, tokens) [B, Bk]: the block's positions and tokens."""
+        T = st.seq.shape[1]
+        idx = (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
+        return idx, st.seq.gather(1, idx)
+
+    def masked(self, phase: str, st) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx, tokens = self.block(st)
+        act = self.acting(phase, st)
+        return idx, tokens, (tokens == self.mask_id) & (idx >= st.prompt_len[:, None]) & act[:, None]
+
+    def plan(self, phase, st):
+        B, T = st.seq.shape
+        dev = st.seq.device
+        act = self.acting(phase, st)
+        idx, _, need = self.masked(phase, st)
+        if phase == "refresh":  # the whole working sequence, no KV source; writes the KV of every position
+            pos = torch.arange(T, device=dev).expand(B, T)
+            live = (pos < st.work_len[:, None]) & act[:, None]
+            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), kv_write=torch.where(live, pos, -1),
+                           logits_at=idx, logits_rows=need, route_groups=route_groups(pos, self.block_size, live))
+        # decode: [block_start, block_start + T) against the cached prefix [0, block_start); no KV written
+        length = (st.work_len - st.block_start).clamp(min=0)
+        window = torch.arange(T, device=dev)
+        pos = (st.block_start[:, None] + window).clamp(max=T - 1)
+        live = (window < length[:, None]) & act[:, None]
+        first = window[: self.block_size].expand(B, self.block_size)  # the block: the window's first Bk queries
+        spec = AttentionSpec(Bidirectional(length), prefix_len=st.block_start)
+        return Forward(st.seq.gather(1, pos), pos, spec, kv_write=None, logits_at=first, logits_rows=need,
+                       route_groups=route_groups(pos, self.block_size, live))
+
+    def update(self, phase, st, fwd, logits):
+        act = self.acting(phase, st)
+        idx, tokens, masked = self.masked(phase, st)
+        nfe = st.policy["nfe"]
+        v, p = self.choose(logits, masked, self.noise_keys(st, idx, nfe))
+        left = masked.sum(1)
+        accept = select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
+                        False)
+        done = act & (accept.sum(1) == left)  # no MASK left in the block after this update: it retires now
+        fresh = torch.where(act, (~done).long(), st.policy["fresh"])
+        return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(),
+                      {"fresh": fresh, "nfe": nfe + act.long()})
+
+    # --- host ----------------------------------------------------------------------------------------------------
+    def schedule(self, step):
+        self.schedules.append((step.rows, step.begun))
+        return [PhaseRun("refresh", step.begun), "decode"]
+
+    def report(self, st, slot):
+        return {"nfe": int(st.policy["nfe"][slot])}

@@ -1,0 +1,298 @@
+"""A cached policy for a bidirectional model from outside the package (issue #26 item 8): prefix_cache.py, shaped like
+Fast-dLLM v1's prefix cache, runs on the unchanged engine through its extension points (Policy.caches_kv,
+prefill_end, first_block, two phases with a row-subset refresh: hooks.PhaseRun).
+
+Its tokens and forward counts are those of a literal loop written here from the description (no engine: LLaDA in
+float64 from the checkpoint, tests/oracle.py's pieces, with the refresh's K/V of the prefix kept in a list), alone,
+batched with admissions mid-run, compiled, and captured as CUDA graphs on a GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from checkpoints import MASK_ID, write_checkpoint
+from oracle import (OracleModel, attention, confidence, gated_mlp, linear, merge_heads, oracle_logits, rms_norm,
+                    split_heads)
+from prefix_cache import PrefixCacheConfig, PrefixCachePolicy
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig
+from compiledllm.engine.hooks import PhaseRun
+from compiledllm.errors import UserError
+from compiledllm.policies import register_policy
+
+
+class EveryRowRefreshConfig(PrefixCacheConfig):
+    pass  # its own config class: make_policy finds a policy by its config's class
+
+
+class EveryRowRefreshPolicy(PrefixCachePolicy):
+    """The same policy with a careless host schedule: refresh on every decoding row each step. The `fresh` flag
+    makes the refresh a no-op for rows that already hold their block's refresh, so the tokens must not change."""
+
+    def schedule(self, step):
+        self.schedules.append((step.rows, step.rows))
+        return [PhaseRun("refresh", step.rows), "decode"]
+
+
+register_policy("prefix_cache", PrefixCacheConfig, PrefixCachePolicy)
+register_policy("prefix_cache_every_row", EveryRowRefreshConfig, EveryRowRefreshPolicy)
+NEAR_TIE = 1e-5  # a decision this close to a threshold may flip between float32 (engine) and float64 (literal)
+BLOCK, CAPACITY = 4, 32
+
+
+# ----------------------------------------------------------------------------- the literal loop
+
+
+def rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """NeoX rotate-half RoPE over the whole head dim of x [B, heads, L, hd] at positions pos [L]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = pos.double()[:, None] * inv_freq[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], dim=-1)
+    return x * torch.cos(emb) + rotated * torch.sin(emb)
+
+
+class CachedLLaDA(OracleModel):
+    """LLaDA in float64 (tests/oracle.llada_forward, line for line) for tokens at positions start.. that see each
+    other and, given `past`, the per-layer K/V of positions [0, start)."""
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], start: int = 0, past: list | None = None):
+        """logits [L, V] float64, and the K/V [1, KVH, L, hd] (after RoPE) of these tokens per layer."""
+        cfg, w = self.cfg, self.w
+        H, KVH, d = cfg["n_heads"], cfg.get("n_kv_heads", cfg["n_heads"]), cfg["d_model"]
+        hd, eps, L = d // H, cfg["rms_norm_eps"], len(ids)
+        pos = torch.arange(start, start + L)
+        x = w["model.transformer.wte.weight"][torch.tensor([ids])]
+        fresh = []
+        for i in range(cfg["n_layers"]):
+            p = f"model.transformer.blocks.{i}."
+            h = rms_norm(x, w[p + "attn_norm.weight"], eps)
+            q = split_heads(linear(h, w[p + "q_proj.weight"]), H, hd)
+            k = split_heads(linear(h, w[p + "k_proj.weight"]), KVH, hd)
+            v = split_heads(linear(h, w[p + "v_proj.weight"]), KVH, hd)
+            q, k = rope_at(q, pos, cfg["rope_theta"]), rope_at(k, pos, cfg["rope_theta"])
+            fresh.append((k, v))
+            if past is not None:
+                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
+            vis = torch.ones(L, k.shape[2], dtype=torch.bool)  # bidirectional: every key
+            x = x + linear(merge_heads(attention(q, k, v, vis)), w[p + "attn_out.weight"])
+            h = rms_norm(x, w[p + "ff_norm.weight"], eps)
+            x = x + gated_mlp(h, w[p + "ff_proj.weight"], w[p + "up_proj.weight"], w[p + "ff_out.weight"])
+        x = rms_norm(x, w["model.transformer.ln_f.weight"], eps)
+        return linear(x, w["model.transformer.ff_out.weight"])[0], fresh
+
+
+def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int
+                         ) -> tuple[list[int], dict]:
+    """Fast-dLLM's generate_with_prefix_cache as described in prefix_cache.py, one prompt, stopping after the block
+    that holds the first EOS. stats: nfe (forwards), refreshed (blocks their refresh completed, the row going on:
+    the engine's `steps` counts the idle decode phase of that step), margin (the closest decision)."""
+    P = len(prompt)
+    W = P + -(-n // block) * block
+    x = list(prompt) + [MASK_ID] * (W - P)
+    stats = {"nfe": 0, "refreshed": 0, "accepted": [], "margin": math.inf}
+
+    def transfer(logits: torch.Tensor, s: int) -> None:  # logits [Bk, V] of positions s .. s + Bk - 1
+        v, p, gap = confidence(logits, MASK_ID)
+        v, p, gap = v.tolist(), p.tolist(), gap.tolist()
+        masked = [j for j in range(block) if x[s + j] == MASK_ID]
+        best = max(masked, key=lambda j: (p[j], -j))
+        acc = {best} | {j for j in masked if p[j] >= tau}
+        m = [abs(p[j] - tau) for j in masked if j != best] + [p[best] - p[j] for j in masked if j != best]
+        stats["margin"] = min([stats["margin"], *m, *(gap[j] for j in acc)])
+        stats["accepted"].append(len(acc))
+        for j in acc:
+            x[s + j] = v[j]
+
+    for s in range(P, W, block):
+        logits, kv = lm.forward(x)  # refresh: the whole sequence, every position's K/V
+        stats["nfe"] += 1
+        transfer(logits[s : s + block], s)
+        past = [(k[:, :, :s], v[:, :, :s]) for k, v in kv]  # the cached prefix [0, s)
+        refreshed = MASK_ID not in x[s : s + block]
+        while MASK_ID in x[s : s + block]:  # decode: x[s:] against the cached prefix
+            logits, _ = lm.forward(x[s:], s, past)
+            stats["nfe"] += 1
+            transfer(logits[:block], s)
+        if eos in x[s : s + block]:
+            break
+        stats["refreshed"] += refreshed and s + block < W
+    out = x[P : P + n]
+    return (out[: out.index(eos) + 1] if eos in out else out), stats
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llada"), "llada", 6)
+
+
+@pytest.fixture(scope="module")
+def literal(ckpt):
+    return CachedLLaDA(ckpt)
+
+
+def prompts(lengths, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
+
+
+def policy(tau: float, name: str = "prefix_cache") -> dict:
+    return {"name": name, "block_size": BLOCK, "threshold": tau}
+
+
+def run(model, pol: dict, ps, n: int, batch: int, **kw):
+    config = EngineConfig(pol, max_new_tokens=n, batch_size=batch, max_seq_len=CAPACITY, **kw)
+    engine = Engine(model, config)
+    return engine.generate(ps), engine
+
+
+def expected(literal, ps, n, tau, eos):
+    wants = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos) for p in ps]
+    margin = min(st["margin"] for _, st in wants)
+    if margin < NEAR_TIE:
+        pytest.skip(f"numerical near-tie (margin {margin:.1e})")
+    return wants
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_literal_loop_is_the_oracle_forward(ckpt, literal):
+    """The literal's forward with no prefix is tests/oracle.py's LLaDA; split at s with the prefix's K/V it gives the
+    same logits when the prefix is what the full forward saw (a prefix cache is exact for an unchanged sequence)."""
+    ids = prompts([13])[0]
+    full, kv = literal.forward(ids)
+    torch.testing.assert_close(full, oracle_logits(ckpt, torch.tensor([ids]), None)[0], rtol=0, atol=1e-10)
+    tail, _ = literal.forward(ids[5:], 5, [(k[:, :, :5], v[:, :, :5]) for k, v in kv])
+    torch.testing.assert_close(tail, full[5:], rtol=0, atol=1e-10)
+
+
+# (tau, prompt lengths, new tokens): at 0.3 a step accepts several positions, so some refreshes fill their block
+CASES = [(0.9, [5, 9, 2], 11), (0.3, [5, 9, 2], 13), (0.6, [1, 7, 12], 8)]
+
+
+@pytest.mark.parametrize("tau,lengths,n", CASES)
+def test_engine_equals_literal_prefix_cache(ckpt, literal, tau, lengths, n):
+    model = compiledllm.load_model(ckpt)
+    ps = prompts(lengths, seed=len(lengths) + n)
+    wants = expected(literal, ps, n, tau, eos=-1)
+    got, _ = run(model, policy(tau), ps, n, batch=1, ignore_eos=True)
+    for p, r, (want, st) in zip(ps, got, wants):
+        assert r.output_ids == want, f"P={len(p)}\n engine : {r.output_ids}\n literal: {want}"
+        assert r.extra["nfe"] == st["nfe"], (len(p), r.extra, st)
+        assert r.steps == st["nfe"] + st["refreshed"]  # + the idle decode phase after a refresh that retired a block
+    accepted = [a for _, st in wants for a in st["accepted"]]
+    if tau < 0.5:
+        assert max(accepted) > 1 and sum(st["refreshed"] for _, st in wants) > 0, accepted
+
+
+def test_the_cache_changes_tokens(ckpt):
+    """The prefix cache is an approximation (the prefix's KV is from the block's start): its tokens differ from
+    Fast-dLLM's no-cache decode (threshold's rule fast_dllm), so the tests above can tell the two apart."""
+    model = compiledllm.load_model(ckpt)
+    ps, n, tau = prompts([5, 9, 2], seed=3), 12, 0.9
+    cached, _ = run(model, policy(tau), ps, n, batch=3, ignore_eos=True)
+    plain, _ = run(model, {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau}, ps, n,
+                   batch=3, ignore_eos=True)
+    assert all(a.output_ids != b.output_ids for a, b in zip(cached, plain))
+
+
+def eos_for(literal, ps, n, tau) -> int:
+    """An EOS id some rows generate mid-way (so rows stop at different steps), found without stopping."""
+    outs = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos=-1)[0] for p in ps]
+    counts = {t: sum(t in o[: n - BLOCK] for o in outs) for o in outs for t in o}
+    return max(counts, key=lambda t: (0 < counts[t] < len(outs), -t))
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.4])
+def test_batched_equals_alone_and_refresh_runs_on_a_subset(ckpt, literal, tau):
+    """Batch 3 of 5 prompts (admissions mid-run, compaction, rows stopping at an EOS) with buckets: every prompt's
+    tokens and forwards are its own, and the literal's. The refresh ran on a strict subset of the decoding rows."""
+    ps, n = prompts([5, 11, 2, 8, 3], seed=3), 14
+    eos = eos_for(literal, ps, n, tau)
+    model = compiledllm.load_model(ckpt, eos_token_id=eos)
+    wants = expected(literal, ps, n, tau, eos)
+    alone = [run(model, policy(tau), [p], n, batch=1)[0][0] for p in ps]
+    batched, engine = run(model, policy(tau), ps, n, batch=3, buckets=(1, 2, 3))
+    assert [r.output_ids for r in alone] == [w for w, _ in wants]
+    assert [r.output_ids for r in batched] == [w for w, _ in wants]
+    assert [r.extra["nfe"] for r in batched] == [r.extra["nfe"] for r in alone] == [st["nfe"] for _, st in wants]
+    assert [r.steps for r in batched] == [r.steps for r in alone]
+    assert len({len(r.output_ids) for r in batched}) > 1, "rows should stop at different lengths"
+    subsets = [(rows, ref) for rows, ref in engine.policy.schedules if 0 < len(ref) < len(rows)]
+    assert subsets, engine.policy.schedules
+    assert all(set(ref) <= set(rows) for rows, ref in engine.policy.schedules)
+    if tau > 0.5:  # steps where no row begins a block: the PhaseRun has no rows and does not run
+        assert any(not ref for _, ref in engine.policy.schedules)
+
+
+def test_refresh_on_every_row_changes_nothing(ckpt):
+    """Correctness does not depend on the host schedule: refreshing every decoding row each step gives the same tokens
+    and real forwards (the fresh flag makes it a no-op where the cache holds the block's refresh); only the
+    engine's per-phase count grows."""
+    model = compiledllm.load_model(ckpt)
+    ps, n = prompts([5, 11, 2, 8], seed=4), 12
+    kw = dict(batch=3, ignore_eos=True, buckets=(1, 2, 3))
+    exact, _ = run(model, policy(0.6), ps, n, **kw)
+    every, engine = run(model, policy(0.6, "prefix_cache_every_row"), ps, n, **kw)
+    assert [r.output_ids for r in every] == [r.output_ids for r in exact]
+    assert [r.extra["nfe"] for r in every] == [r.extra["nfe"] for r in exact]
+    assert sum(r.steps for r in every) > sum(r.steps for r in exact)
+    assert isinstance(engine.policy, EveryRowRefreshPolicy)
+    assert all(ref == rows for rows, ref in engine.policy.schedules)
+
+
+def test_sampling_is_batch_invariant(ckpt):
+    """At temperature > 0 a request's draws are keyed by its id and its own forward count (nfe), not its slot."""
+    model = compiledllm.load_model(ckpt)
+    ps, n = prompts([5, 9, 2], seed=5), 10
+    pol = policy(0.7) | {"temperature": 0.8, "seed": 3}
+    config = EngineConfig(pol, max_new_tokens=n, batch_size=1, max_seq_len=CAPACITY, ignore_eos=True)
+    alone = [Engine(model, config).generate([p], request_ids=[i])[0].output_ids for i, p in enumerate(ps)]
+    batched, _ = run(model, pol, ps, n, batch=3, ignore_eos=True)
+    greedy, _ = run(model, policy(0.7), ps, n, batch=3, ignore_eos=True)
+    assert [r.output_ids for r in batched] == alone
+    assert alone != [r.output_ids for r in greedy]
+
+
+def test_refuses_a_block_causal_model(tmp_path):
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "s", "sdar", 1))
+    with pytest.raises(UserError, match="prefix_cache"):
+        Engine(model, EngineConfig(policy(0.9), max_new_tokens=4))
+
+
+def test_compiled_equals_eager(ckpt, compile_kw):
+    model = compiledllm.load_model(ckpt, eos_token_id=0)
+    ps = prompts([5, 2, 9, 3], seed=6)
+    kw = dict(max_new_tokens=8, **compile_kw)
+    eager = Engine(model, EngineConfig(policy(0.6), **kw)).generate(ps)
+    compiled = Engine(model, EngineConfig(policy(0.6), compile=True, **kw)).generate(ps)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    assert [r.extra["nfe"] for r in compiled] == [r.extra["nfe"] for r in eager]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+@pytest.mark.parametrize("dtype,compile", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16", "fp32-compiled"])
+def test_cuda_graphs_equal_eager(tmp_path, dtype, compile):
+    """Each (phase, bucket) captured once; a refresh on a subset of rows replays on the bucket that holds them. bf16
+    with head_dim 64 runs the packed-attention kernel for the decode phase (Bidirectional against the prefix)."""
+    ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
+    ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
+    kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
+    eager = Engine(model, EngineConfig(policy(0.9), cuda_graphs=False, **kw)).generate(ps)
+    engine = Engine(model, EngineConfig(policy(0.9), cuda_graphs=True, compile=compile, **kw))
+    graphs = engine.generate(ps)
+    assert any(0 < len(ref) < len(rows) for rows, ref in engine.policy.schedules), engine.policy.schedules
+    assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
+    assert [r.extra["nfe"] for r in graphs] == [r.extra["nfe"] for r in eager]
+    assert [r.steps for r in graphs] == [r.steps for r in eager]
