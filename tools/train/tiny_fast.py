@@ -135,8 +135,8 @@ def attach_load_counters(model, backend: str | None = None) -> list[MoE]:
     routing path (None: the forward's)."""
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     for m in moes:
-        def route(x, fwd_backend="auto", m=m):
-            ids, w = MoE.route(m, x, backend or fwd_backend)
+        def route(x, fwd_backend="auto", groups=None, m=m):
+            ids, w = MoE.route(m, x, backend or fwd_backend, groups)
             flat = ids.flatten()  # scatter_add rather than bincount: no host sync
             m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat))
