@@ -136,6 +136,8 @@ class Engine:
         ids = list(range(len(prompts))) if request_ids is None else [int(i) for i in request_ids]
         if len(ids) != len(prompts):
             raise UserError(f"request_ids: {len(ids)} ids for {len(prompts)} prompts")
+        if len(set(ids)) != len(ids):
+            raise UserError(f"request_ids: {next(i for i in ids if ids.count(i) > 1)} appears more than once")
         if params is None or isinstance(params, RequestParams):
             params = [params or RequestParams()] * len(prompts)
         elif len(params) != len(prompts):

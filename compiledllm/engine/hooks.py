@@ -47,13 +47,15 @@ Schedule = Sequence[str | PhaseRun]
 
 @dataclass
 class HostContext:
-    """Handed to a policy's host hooks: the engine's buffers, its KV store, the side stream (None on the CPU) and a
-    one-thread worker for host work that overlaps the GPU step (HERALD's selection, for one)."""
+    """Handed to a policy's host hooks: the engine's buffers, its KV store, the side stream (None on the CPU), a
+    one-thread worker for host work that overlaps the GPU step (HERALD's selection, for one) and `state`, the
+    policy's host state for this session (kept off the policy object, which several sessions may share)."""
 
     model: object
     st: SlotState
     kv: object | None
     side_stream: torch.cuda.Stream | None
+    state: dict = field(default_factory=dict)
     _worker: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     @property

@@ -168,6 +168,7 @@ class EngineSession:
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
         if ready:
+            ready.sort()
             st.active[ready] = True
             policy.on_blocks(self.host, ready)
         decoding = sorted(decoding + ready)

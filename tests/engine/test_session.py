@@ -150,6 +150,8 @@ def test_session_errors_are_one_line(sdar):
         RequestParams(max_new_tokens=0)
     with pytest.raises(UserError, match="stop strings need a tokenizer"):
         session.add(5, [3], RequestParams(stop=("x",)))
+    with pytest.raises(UserError, match="request_ids: 4 appears more than once"):
+        eng.generate([[3], [4]], request_ids=[4, 4])
     assert session.cancel(99) is False and session.cancel(1) is True
     assert [ev.result.finish_reason for ev in session.step()] == ["cancelled"] and not session.has_work()
 
