@@ -10,12 +10,12 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from compiledllm.engine.config import EngineConfig
-from compiledllm.engine.request import FinishEvent, GenerationResult, RequestParams, working_length
+from compiledllm.engine.request import Event, FinishEvent, GenerationResult, RequestParams, working_length
 from compiledllm.engine.scheduler import RunStats
 from compiledllm.engine.session import EngineSession
 from compiledllm.errors import UserError
@@ -122,7 +122,6 @@ class Engine:
                 self.config.max_seq_len or working_length(self.block, self.max_new_tokens, self.block))
         return EngineSession(self, slots, capacity, block_events)
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
                  arrivals: Sequence[float] | None = None, request_ids: Sequence[int] | None = None,
                  params: RequestParams | Sequence[RequestParams] | None = None) -> list[GenerationResult]:
@@ -130,6 +129,21 @@ class Engine:
         captured) at which prompt i arrives (default: all at once). request_ids[i]: prompt i's id, its result's
         index and its sampling key (default i): a share of a larger run decodes each request as the run would.
         params: every request's settings, or one per prompt (default: the engine's)."""
+        ids = list(range(len(prompts))) if request_ids is None and isinstance(prompts, (list, tuple)) else request_ids
+        results: dict[int, GenerationResult] = {}
+        for ev in self.events(prompts, arrivals, request_ids, params, block_events=False):
+            if isinstance(ev, FinishEvent):
+                results[ev.request_id] = ev.result
+                if on_result is not None:
+                    on_result(ev.result)
+        return [results[int(i)] for i in ids]
+
+    def events(self, prompts: list[list[int]], arrivals: Sequence[float] | None = None,
+               request_ids: Sequence[int] | None = None,
+               params: RequestParams | Sequence[RequestParams] | None = None,
+               block_events: bool = True) -> Iterator[Event]:
+        """generate() as the session's events, as they happen: each request's BlockEvents (its newly final tokens,
+        with block_events) and its FinishEvent. Arguments as generate()'s; checked before the session starts."""
         self.validate(prompts)
         prompts = [[int(t) for t in p] for p in prompts]
         arrivals = self._arrivals(arrivals, len(prompts))
@@ -143,11 +157,12 @@ class Engine:
         elif len(params) != len(prompts):
             raise UserError(f"params: {len(params)} settings for {len(prompts)} prompts")
         capacity = self.capacity_for(prompts, [p.max_new_tokens or self.max_new_tokens for p in params])
-        session = self.session(self.slots_for(len(prompts)), capacity,
-                               block_events=any(p.stop for p in params))
+        return self._loop(prompts, arrivals, ids, params, capacity, block_events or any(p.stop for p in params))
+
+    @torch.no_grad()
+    def _loop(self, prompts, arrivals, ids, params, capacity, block_events) -> Iterator[Event]:
+        session = self.session(self.slots_for(len(prompts)), capacity, block_events=block_events)
         self.startup_s = session.startup_s
-        where = {rid: i for i, rid in enumerate(ids)}
-        results: list[GenerationResult | None] = [None] * len(prompts)
         pending = deque(sorted(range(len(prompts)), key=arrivals.__getitem__))
         try:
             while pending or session.has_work():
@@ -157,15 +172,10 @@ class Engine:
                 if not session.has_work():  # idle until the next request arrives
                     time.sleep(max(0.0, arrivals[pending[0]] - session.now()))
                     continue
-                for ev in session.step():
-                    if isinstance(ev, FinishEvent):
-                        results[where[ev.request_id]] = ev.result
-                        if on_result is not None:
-                            on_result(ev.result)
+                yield from session.step()
         finally:
             session.close()
             self.stats = session.stats()
-        return results
 
     @staticmethod
     def _arrivals(arrivals: Sequence[float] | None, n: int) -> list[float]:

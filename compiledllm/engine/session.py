@@ -283,7 +283,8 @@ class EngineSession:
             self.policy.on_blocks(self.host, begun)
 
     def _block_event(self, s: int, req: _Request, events: list[Event]) -> FinishReason | None:
-        """Report the slot's newly final tokens; returns "stop" when they complete a stop string."""
+        """Report the slot's newly final tokens; returns "stop" when they complete a stop string (then they are not
+        reported: the FinishEvent's result carries them, cut where the stop string begins)."""
         P = len(req.prompt)
         end = min(int(self.st.block_start[s]), P + req.max_new)
         new = self.st.seq[s, P + req.sent : end].tolist()
@@ -291,9 +292,11 @@ class EngineSession:
             new = new[: new.index(self.eos) + 1]
         if not new:
             return None
+        if req.stop and self._stop_at(req, self.st.seq[s, P : P + req.sent].tolist() + new):
+            return "stop"
         req.sent += len(new)
         events.append(BlockEvent(req.id, new))
-        return "stop" if req.stop and self._stop_at(req, self.st.seq[s, P : P + req.sent].tolist()) else None
+        return None
 
     def _stop_at(self, req: _Request, out: list[int]) -> tuple[int, int] | None:
         """(tokens, characters) of the output up to its first stop string (tokens: the shortest prefix whose text

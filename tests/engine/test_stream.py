@@ -1,0 +1,56 @@
+"""Text as it is decoded (compiledllm/stream.py): per-block deltas that never split a character and add up to the
+result's text."""
+from __future__ import annotations
+
+import pytest
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig, RequestParams
+from compiledllm.stream import TextStream, text_deltas
+
+POLICY = {"name": "threshold", "threshold": 0.9}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return compiledllm.load_model("tiny-llada2")
+
+
+def test_a_character_split_over_tokens_is_held_back_until_complete(tiny):
+    tok = tiny.tokenizer
+    ids = tok.encode("héllo wörld ✓ 日本語 — ok")
+    s = TextStream(tok)
+    deltas = [s.push([t]) for t in ids]
+    assert "".join(deltas) == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert deltas.count("") >= 3  # the byte-level tokens of ✓ and the CJK characters arrive one byte at a time
+
+
+def test_block_deltas_add_up_to_each_result(tiny):
+    prompts = [tiny.tokenizer.encode(p) for p in ("def fibonacci(n):\n    if n", "class Stack:\n    def push(")]
+    eng = Engine(tiny, EngineConfig(POLICY, max_new_tokens=96, batch_size=2))
+    text: dict[int, str] = {0: "", 1: ""}
+    blocks = {0: 0, 1: 0}
+    results = {}
+    for d in text_deltas(eng.events(prompts), tiny.tokenizer):
+        text[d.request_id] += d.text
+        if d.finished:
+            results[d.request_id] = d.result
+        else:
+            blocks[d.request_id] += 1
+    assert {i: r.text for i, r in results.items()} == text
+    assert all(n >= 2 for n in blocks.values())  # streamed block by block, not at the end
+    assert [r.output_ids for r in eng.generate(prompts)] == [results[0].output_ids, results[1].output_ids]
+
+
+def test_a_stop_string_cuts_the_streamed_text_too(tiny):
+    prompt = tiny.tokenizer.encode("def fibonacci(n):\n    if n")
+    eng = Engine(tiny, EngineConfig(POLICY, max_new_tokens=64, batch_size=1))
+    full = eng.generate([prompt])[0].text
+    stop = full[40:44]
+    got, result = "", None
+    for d in text_deltas(eng.events([prompt], params=RequestParams(stop=(stop,))), tiny.tokenizer):
+        got += d.text
+        result = d.result or result
+    assert result.finish_reason == "stop" and result.text == full[: full.find(stop)]
+    assert got == result.text  # nothing past the stop string was ever shown
