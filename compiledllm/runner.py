@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from compiledllm.engine import Engine, GenerationResult
+from compiledllm.engine import BlockEvent, Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
@@ -119,8 +119,10 @@ def _prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine,
 
 def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
             on_result: Callable[[GenerationResult], None] | None = None,
-            output: Path | None = None, inputs: list[Path] = ()) -> tuple[list[GenerationResult], Summary]:
-    """Run a recipe. With `output`, results are written as each request ends to a temporary file that replaces
+            output: Path | None = None, inputs: list[Path] = (),
+            on_block: Callable[[int, list[int]], None] | None = None) -> tuple[list[GenerationResult], Summary]:
+    """Run a recipe. on_block(prompt index, tokens): a request's newly final tokens, per retired block (one
+    process; with parallel.data > 1 only results are reported). With `output`, results are written as each request ends to a temporary file that replaces
     `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
     previous files as they were (outputs.py). With parallel.data > 1 each engine replica decodes its share of the
     prompts and global rank 0 gets (and writes) every result; the other ranks return none."""
@@ -145,7 +147,9 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
 
     t1 = time.perf_counter()
     try:
-        if mesh.data == 1:
+        if mesh.data == 1 and on_block is not None:
+            results = _with_blocks(engine, prompts, record, on_block)
+        elif mesh.data == 1:
             results = engine.generate(prompts, on_result=record)
         else:  # the wall time then includes waiting for the slowest replica
             results = generate_share(engine, mine, prompts, mesh, on_result=record)
@@ -165,6 +169,19 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     if sink is not None:
         sink.commit(asdict(summary))
     return results, summary
+
+
+def _with_blocks(engine: Engine, prompts: list[list[int]], record: Callable[[GenerationResult], None],
+                 on_block: Callable[[int, list[int]], None]) -> list[GenerationResult]:
+    """engine.generate, with every block's tokens reported as the session retires it."""
+    results: dict[int, GenerationResult] = {}
+    for ev in engine.events(prompts):
+        if isinstance(ev, BlockEvent):
+            on_block(ev.request_id, ev.tokens)
+        else:
+            results[ev.request_id] = ev.result
+            record(ev.result)
+    return [results[i] for i in range(len(prompts))]
 
 
 def make_summary(recipe: Recipe, model, results: list[GenerationResult], wall: float, load_s: float,
