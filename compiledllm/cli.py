@@ -1,6 +1,7 @@
 """The `compiledllm` command line: thin typer commands over library functions."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,9 +56,14 @@ class _StderrLog(logging.Handler):
             self.handleError(record)
 
 
+_TORCH_LEVEL = [logging.WARNING]  # what torch's loggers get once torch is imported (settle_torch_logging)
+log = logging.getLogger("compiledllm.cli")
+
+
 def configure_logging(level: str) -> None:
-    """The `compiledllm` logger at `level`, to stderr; torch's loggers at warning or above (TORCH_LOGS, where set,
-    decides those instead)."""
+    """The `compiledllm` logger at `level`, to stderr (under --quiet too: it silences progress bars and tables, not
+    log lines); torch's loggers at warning or above (TORCH_LOGS, where set, decides those instead). torch is not
+    imported here: its loggers are set when it is (settle_torch_logging), after the arguments are checked."""
     log = logging.getLogger("compiledllm")
     if not any(isinstance(h, _StderrLog) for h in log.handlers):
         handler = _StderrLog()
@@ -65,10 +71,18 @@ def configure_logging(level: str) -> None:
         log.addHandler(handler)
     log.setLevel(LOG_LEVELS[level])
     log.propagate = False  # not twice where the root logger has a handler too
-    if "TORCH_LOGS" not in os.environ:
-        import torch  # noqa: F401  (its import sets its loggers up: set the level after it)
+    _TORCH_LEVEL[0] = max(LOG_LEVELS[level], logging.WARNING)
+    if "torch" in sys.modules:
+        settle_torch_logging()
 
-        logging.getLogger("torch").setLevel(max(LOG_LEVELS[level], logging.WARNING))
+
+def settle_torch_logging() -> None:
+    """Import torch (the commands call this once their inputs are checked) and set its loggers' level: its import
+    sets them up, so the level is set after it."""
+    if "TORCH_LOGS" not in os.environ:
+        import torch  # noqa: F401
+
+        logging.getLogger("torch").setLevel(_TORCH_LEVEL[0])
 
 
 def _print_version(value: bool) -> None:
@@ -96,6 +110,16 @@ def _global_options(
     configure_logging(level)
 
 
+def precheck_file(recipe: Path, kind: str = "recipe") -> None:
+    """A missing or unreadable recipe file fails (one line, as the recipe loaders say it) before torch is imported."""
+    from compiledllm.recipe import MAX_RECIPE_BYTES, read_text
+
+    try:
+        read_text(recipe, kind, MAX_RECIPE_BYTES)
+    except UserError as e:
+        fail(str(e))
+
+
 def progress(*columns) -> Progress:
     """A transient progress display on stderr; none under --quiet, nor on the other ranks of a split model."""
     from compiledllm.parallel import main_rank
@@ -120,27 +144,135 @@ def summary_table(summary) -> Table:
     return table
 
 
+PROMPT_HELP = "A text prompt (repeatable): with a MODEL, the run's prompts; with a recipe, they replace its prompts."
+PROMPTS_HELP = ("JSONL prompts, one {text | ids | messages} a line: with a MODEL, the run's prompts (after any "
+                "--prompt); with a recipe, they replace its prompts and prompts_file.")
+POLICY_HELP = "With a MODEL: the policy's name (threshold, t2t, flowblock, flowblock_sync; default threshold)."
+TARGET_HELP = ("A recipe YAML file, or a MODEL: a built-in name (tiny-llada2, ...), a checkpoint directory or a "
+               "Hugging Face ORG/NAME, with --prompt / --prompts (the recipe's other keys take their defaults).")
+
+
+def is_recipe_target(target: str) -> bool:
+    """Whether `run TARGET` reads TARGET as a recipe: a file, or a name ending .yaml / .yml (a missing one is then
+    "recipe not found") that is not a checkpoint directory."""
+    path = Path(target)
+    return path.is_file() or (target.lower().endswith((".yaml", ".yml")) and not (path / "config.json").is_file())
+
+
+def source_recipe(target: str, overrides: list[str], prompt: list[str] | None, prompts_file: Path | None,
+                  policy: str | None):
+    """(Recipe, its file or None) that `run TARGET` means: TARGET a recipe file, or a model (a built-in name, a
+    checkpoint directory or ORG/NAME) given as the minimal recipe {model: {path: TARGET}, policy: {name: POLICY},
+    prompts: [{text: PROMPT}, ...], prompts_file: FILE}. The policy's parameters are not checked yet (that imports
+    torch): recipe.check_policy does it, once the model's path is checked."""
+    from compiledllm import hub
+    from compiledllm.builtin_names import BUILTIN_NAMES, is_builtin_name
+    from compiledllm.recipe import MAX_RECIPE_BYTES, load_recipe, parse_yaml, read_text
+
+    if prompts_file is not None and not prompts_file.is_file():
+        raise UserError(f"--prompts: {prompts_file} " + ("is a directory, not a file" if prompts_file.is_dir()
+                                                         else "not found"))
+    given = [{"text": t} for t in prompt or []]
+    path = Path(target)
+    if is_recipe_target(target):
+        if policy is not None:
+            raise UserError(f"--policy {policy}: with a recipe file, set the policy there or with "
+                            f"--set policy.name={policy}")
+        if not given and prompts_file is None:
+            return load_recipe(path, overrides, check_policy=False), path
+        # the command line's prompts replace the recipe's (set as values: no YAML round trip of the text)
+        data = parse_yaml(read_text(path, "recipe", MAX_RECIPE_BYTES), str(path))
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: a recipe is a YAML mapping")
+        data |= {"prompts": given, "prompts_file": str(prompts_file.resolve()) if prompts_file else None,
+                 "base_dir": str(path.parent)}
+        try:
+            return load_recipe(data, overrides, check_policy=False), path
+        except UserError as e:
+            raise UserError(f"{path}: {str(e).removeprefix('recipe: ')}") from None
+    if not (path.is_dir() or is_builtin_name(target) or hub.is_repo_id(target)):
+        raise UserError(f"{target}: not a recipe file, a checkpoint directory, a built-in model "
+                        f"({', '.join(BUILTIN_NAMES)}) nor a Hugging Face model ORG/NAME (e.g. {hub.EXAMPLE})")
+    if not given and prompts_file is None:
+        raise UserError(f"{target}: no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    data = {"model": {"path": target}, "policy": {"name": policy or "threshold"}, "prompts": given}
+    if prompts_file is not None:
+        data["prompts_file"] = str(prompts_file.resolve())
+    try:
+        return load_recipe(data, overrides, check_policy=False), None
+    except UserError as e:  # "recipe: key: ..." -> "MODEL: key: ...", as a recipe file's errors name the file
+        raise UserError(f"{target}: {str(e).removeprefix('recipe: ')}") from None
+
+
+def check_model_path(rec) -> None:
+    """The recipe's model.path is a directory, a built-in or a Hub model there is (a Hub model missing from the cache
+    is downloaded, and fails fast without network): before torch and the model code are imported."""
+    from compiledllm import hub
+    from compiledllm.builtin_names import BUILTIN_NAMES, is_builtin_name
+
+    m = rec.model
+    if m.init != "checkpoint" or is_builtin_name(m.path) or Path(m.path).exists():
+        return
+    if hub.is_repo_id(m.path):
+        hub.snapshot(m.path, hub.parse_revision(m.revision))
+        return
+    raise UserError(f"{m.path}: not a model directory (nor a built-in model: {', '.join(BUILTIN_NAMES)}; for a "
+                    f"Hugging Face model give ORG/NAME, e.g. {hub.EXAMPLE})")
+
+
+def checked_recipe(target: str, overrides: list[str], prompt, prompts_file, policy):
+    """source_recipe, then the model's path and the policy checked: a UserError before any model code runs."""
+    from compiledllm.recipe import check_policy
+
+    rec, path = source_recipe(target, overrides, prompt, prompts_file, policy)
+    check_model_path(rec)
+    check_policy(rec, str(path) if path is not None else target)
+    return rec, path
+
+
 @app.command()
 def run(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    recipe: str = typer.Argument(..., metavar="RECIPE_OR_MODEL", help=TARGET_HELP),
+    prompt: Optional[List[str]] = typer.Option(None, "--prompt", metavar="TEXT", help=PROMPT_HELP),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", metavar="FILE", help=PROMPTS_HELP),
+    policy: Optional[str] = typer.Option(None, "--policy", metavar="NAME", help=POLICY_HELP),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Results JSONL (overrides the recipe's output)."),
     trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
-    """Decode every prompt of RECIPE; write one JSON line per prompt (in prompt order) and print a summary."""
-    from compiledllm.recipe import load_recipe
-    from compiledllm.runner import RunInterrupted, execute, result_record
-
+    """Decode every prompt of RECIPE (or of --prompt / --prompts with a MODEL); write one JSON line per prompt (in
+    prompt order) and print a summary."""
     try:
-        rec = load_recipe(recipe, with_flags(set_, trust_exported, threads))
+        rec, path = checked_recipe(recipe, with_flags(set_, trust_exported, threads), prompt, prompts_file, policy)
         out = output if output is not None else (Path(rec.output) if rec.output else None)
-        with progress(TextColumn("[bold]decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TimeRemainingColumn()) as bar:
-            task = bar.add_task("decode", total=None)
+        log.info("%s: model %s, policy %s, %d prompts%s, output %s", path or "command line", rec.model.name,
+                 rec.policy.get("name"), len(rec.prompts), f" + {rec.prompts_file}" if rec.prompts_file else "",
+                 out or "stdout")
+        settle_torch_logging()
+        from compiledllm.runner import RunInterrupted, execute, result_record
+
+        log.debug("engine modules imported")
+        from compiledllm.live import RunDisplay
+        from compiledllm.parallel import main_rank
+
+        # each result's text (streamed on a terminal) where it does not mix with the results: stderr when the
+        # results go to stdout; nothing under --quiet, nor on the other ranks of a split model
+        shown = err_console if out is None else console
+        with contextlib.ExitStack() as stack:
+            display: list[RunDisplay] = []
+
+            def start(n: int, model) -> None:
+                if main_rank() and not shown.quiet:
+                    display.append(stack.enter_context(RunDisplay(shown, model.tokenizer, n,
+                                                                  rec.generation.max_new_tokens)))
+
+            streamed = shown.is_terminal and not shown.quiet  # text as it is decoded; else whole results
             results, summary = execute(
-                rec, on_start=lambda n: bar.update(task, total=n),
-                on_result=lambda r: bar.advance(task), output=out, inputs=[recipe])
+                rec, on_start=start, on_block=(lambda i, t: display and display[0].on_block(i, t)) if streamed
+                else None,
+                on_result=lambda r: display and display[0].on_result(r), output=out,
+                inputs=[path] if path is not None else [])
     except UserError as e:
         fail(str(e))
     except RunInterrupted as e:
@@ -148,10 +280,10 @@ def run(
         alerts.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False,
                      soft_wrap=True)
         raise typer.Exit(130)
-    from compiledllm.parallel import main_rank
-
     if not main_rank():  # the other ranks of a split model decoded the same tokens: rank 0 reports them
         return
+    log.info("%d prompts: %d tokens in %d forwards, %.2f s (load %.2f s, start-up %.2f s)", summary.prompts,
+             summary.tokens, summary.forwards, summary.wall_s, summary.load_s, summary.startup_s)
     if out is None:
         for r in results:
             sys.stdout.write(json.dumps(result_record(r)) + "\n")
@@ -171,6 +303,8 @@ def profile(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
     """Run RECIPE eagerly, profiled; print where the run's time goes, per phase, and write a short trace."""
+    precheck_file(recipe)
+    settle_torch_logging()
     from compiledllm.profiler import MODE, STEPS_MEANING, profile_recipe, title
 
     try:
@@ -219,6 +353,8 @@ def export(
 ) -> None:
     """Package the recipe's step forwards (one per batch bucket, sharing one weights file) for `compiledllm run`
     (model.path: OUT)."""
+    precheck_file(recipe)
+    settle_torch_logging()
     from compiledllm.export.trace import export_recipe
 
     try:
@@ -315,6 +451,8 @@ def eval_(
     Beside the report, <stem>.png charts each policy's exact match and tokens per forward, per task file.
     Ctrl-C keeps the policies that finished in <stem>.partial.json beside the output (which stays unchanged).
     """
+    precheck_file(recipe, "eval recipe")
+    settle_torch_logging()
     from compiledllm.evaluate import EvalInterrupted, load_eval_recipe, run_eval, write_chart
     from compiledllm.outputs import check_output, partial_path, write_atomic
 
@@ -372,26 +510,50 @@ app.add_typer(recipe_app, name="recipe")
 
 @recipe_app.command("show")
 def recipe_show(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file (a run or an eval recipe)."),
+    recipe: str = typer.Argument(..., metavar="RECIPE_OR_MODEL", help="Recipe YAML file (a run or an eval recipe), "
+                                 "or a MODEL with --prompt / --prompts, as `compiledllm run` takes them."),
+    prompt: Optional[List[str]] = typer.Option(None, "--prompt", metavar="TEXT", help=PROMPT_HELP),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", metavar="FILE", help=PROMPTS_HELP),
+    policy: Optional[str] = typer.Option(None, "--policy", metavar="NAME", help=POLICY_HELP),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
     eval_recipe: bool = typer.Option(False, "--eval", help="Read RECIPE as an eval recipe (default: when it has "
                                      "`tasks`)."),
 ) -> None:
-    """Print RECIPE as it is read, as YAML: every default written out, the policy's parameters included."""
-    from compiledllm.evaluate import load_eval_recipe, resolved_eval_recipe
-    from compiledllm.recipe import MAX_RECIPE_BYTES, dump_recipe, load_recipe, parse_yaml, read_text, resolved_recipe
+    """Print RECIPE (or the recipe that `compiledllm run MODEL --prompt ...` means) as it is read, as YAML: every
+    default written out, the policy's parameters included."""
+    from compiledllm.recipe import (MAX_RECIPE_BYTES, check_policy, dump_recipe, parse_yaml, read_text,
+                                    resolved_recipe)
 
+    path = Path(recipe)
     try:
-        raw = parse_yaml(read_text(recipe, "recipe", MAX_RECIPE_BYTES), str(recipe))
-        is_eval = eval_recipe or (isinstance(raw, dict) and "tasks" in raw)
-        data = (resolved_eval_recipe(load_eval_recipe(recipe, set_)) if is_eval
-                else resolved_recipe(load_recipe(recipe, set_)))
+        is_eval = False
+        if is_recipe_target(recipe):
+            raw = parse_yaml(read_text(path, "recipe", MAX_RECIPE_BYTES), str(path))
+            is_eval = eval_recipe or (isinstance(raw, dict) and "tasks" in raw)
+        elif eval_recipe:
+            raise UserError(f"--eval: {recipe} is not a recipe file")
+        if is_eval:
+            if prompt or prompts_file is not None or policy is not None:
+                raise UserError(f"{recipe}: an eval recipe takes no --prompt, --prompts or --policy")
+            settle_torch_logging()
+            from compiledllm.evaluate import load_eval_recipe, resolved_eval_recipe
+
+            data = resolved_eval_recipe(load_eval_recipe(path, set_))
+        else:
+            rec, source = source_recipe(recipe, set_ or [], prompt, prompts_file, policy)
+            check_policy(rec, str(source) if source is not None else recipe)
+            data = resolved_recipe(rec)
     except UserError as e:
         fail(str(e))
-    files = "tasks" if is_eval else "prompts_file"
-    sys.stdout.write(f"# {recipe} as `compiledllm {'eval' if is_eval else 'run'}` reads it, every default written "
-                     f"out\n# relative paths: {files} from the recipe's folder, model.path and output from the "
-                     f"working directory\n{dump_recipe(data)}")
+    if is_eval or source is not None:
+        files = "tasks" if is_eval else "prompts_file"
+        head = (f"# {recipe} as `compiledllm {'eval' if is_eval else 'run'}` reads it, every default written out\n"
+                f"# relative paths: {files} from the recipe's folder, model.path and output from the working "
+                "directory\n")
+    else:
+        head = (f"# the recipe `compiledllm run {recipe}` with these options means, every default written out\n"
+                "# relative paths: from the working directory\n")
+    sys.stdout.write(head + dump_recipe(data))
 
 
 BENCH_LEGEND = """\
@@ -484,6 +646,8 @@ def bench(
 
     A legend below the table explains the columns.
     """
+    precheck_file(recipe)
+    settle_torch_logging()
     from compiledllm.bench import BenchSettings, parse_list, parse_rate, run_bench, write_plot
     from compiledllm.outputs import check_output, write_atomic
     from compiledllm.parallel import main_rank

@@ -21,9 +21,10 @@ REPO_ID = re.compile(r"[\w.-]{1,96}/[\w.-]{1,96}")  # huggingface_hub's shape, w
 
 
 def brief(e: BaseException, limit: int) -> str:
-    from compiledllm.tokenizer import one_line  # lazily: it imports torch, which a cache lookup never needs
-
-    return one_line(e, limit)
+    """`e` as one line of at most `limit` characters (tokenizer.one_line's rule; that module imports torch and the
+    tokenizers, which a failing Hub lookup must not wait for)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_repo_id(name: str) -> bool:

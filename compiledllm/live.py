@@ -20,6 +20,7 @@ from compiledllm.stream import TextStream
 
 LIVE_REQUESTS = 4   # requests whose growing text is shown at once (the most recently advanced)
 LIVE_LINES = 6      # lines of each one's text (its last lines)
+PROMPT_LINES = 2    # the prompt's last lines, dimmed, before a finished request's text
 REDRAW_S = 0.1      # a block event redraws at once if the last redraw is older
 
 
@@ -40,7 +41,7 @@ class RunDisplay:
         self.recent: list[int] = []  # request ids, most recently advanced last
         self.drawn = 0.0
         self.live = Live(self._view(), console=console, transient=True, refresh_per_second=8) \
-            if console.is_terminal else None
+            if console.is_terminal and not console.quiet else None
 
     def __enter__(self) -> "RunDisplay":
         if self.live is not None:
@@ -67,7 +68,9 @@ class RunDisplay:
         self.bar.update(self.task, done=self.bar.tasks[0].fields["done"] + 1)
         self.recent = [i for i in self.recent if i != res.index]
         if self.tokenizer is not None and res.text is not None:
-            self.console.print(Panel(Text(res.text), title=f"prompt {res.index}", title_align="left",
+            lead = "\n".join(self.tokenizer.decode(res.prompt_ids).splitlines()[-PROMPT_LINES:])
+            body = Text(lead, style="dim") + Text(res.text)
+            self.console.print(Panel(body, title=f"prompt {res.index}", title_align="left",
                                      subtitle=f"{len(res.output_ids)} tokens, {res.steps} forwards, "
                                               f"{res.finish_reason}", subtitle_align="right"))
         self._refresh()

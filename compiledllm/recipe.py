@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import re
 from pathlib import Path
@@ -9,12 +10,30 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      model_validator)
+                      ValidationInfo, model_validator)
 
-from compiledllm.builtin import BUILTINS
+from compiledllm.builtin_names import BUILTIN_NAMES as BUILTINS
 from compiledllm.errors import UserError
-from compiledllm.loader import parse_device
-from compiledllm.policies import POLICIES, PolicyConfig, policy_config
+
+# Nothing here imports torch: the policies (and the device check of anything but "cpu") are imported when a recipe
+# is validated, so that a missing file, a bad key or a wrong path fails before torch is imported (issue 32 item 4).
+# load_recipe(..., check_policy=False) defers even that: the CLI checks the model's path first (check_policy later).
+_LAZY = {"POLICIES": "compiledllm.policies", "PolicyConfig": "compiledllm.policies"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def policy_config(params):
+    from compiledllm.policies import policy_config as make
+
+    return make(params)
+
 
 MAX_RECIPE_BYTES = 4 << 20  # a recipe is a few KiB: anything this large is the wrong file
 
@@ -82,6 +101,10 @@ def parse_yaml(text: str, where: str) -> Any:
 
 
 def _device(value: str) -> str:
+    if value == "cpu":  # the default, always there: no torch needed to say so
+        return value
+    from compiledllm.devices import parse_device
+
     parse_device(value, "model.device")  # a UserError naming the devices there are, before any model is built
     return value
 
@@ -200,13 +223,14 @@ class Recipe(_Strict):
     base_dir: str = Field(default=".", exclude=True)  # where relative paths in the recipe resolve
 
     @model_validator(mode="after")
-    def _check(self):
+    def _check(self, info: ValidationInfo):
         if not self.prompts and self.prompts_file is None:
             raise ValueError("give prompts or prompts_file")
-        policy_config(self.policy)  # raises a UserError naming the bad policy key
+        if (info.context or {}).get("check_policy", True):
+            check_policy_params(self.policy)  # raises a UserError naming the bad policy key
         return self
 
-    def policy_config(self) -> PolicyConfig:
+    def policy_config(self) -> "PolicyConfig":
         return policy_config(self.policy)
 
     def resolve(self, path: str) -> Path:
@@ -232,14 +256,69 @@ class Recipe(_Strict):
         return prompts
 
 
-def first_error(e: ValidationError) -> str:
-    """A pydantic error as one line: the dotted key, the message and the value given (shortened)."""
+def did_you_mean(key: str, allowed) -> str:
+    """ "; did you mean X?" for the allowed key closest to an unknown `key` (difflib), else ""."""
+    close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _allowed_keys(cls: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The keys a schema section takes, for the section at loc[:-1] of `cls` (empty where it cannot tell)."""
+    import typing
+
+    node = cls
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = node.model_fields.get(part) if node is not None else None
+        if field is None:
+            return []
+        stack, node = [field.annotation], None
+        while stack:  # unwrap Optional / list / Annotated to the nested schema class
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                node = t
+                break
+            stack.extend(typing.get_args(t))
+    if node is None:
+        return []
+    return [name for name, f in node.model_fields.items() if not f.exclude]
+
+
+def first_error(e: ValidationError, cls: type[BaseModel] | None = None) -> str:
+    """A pydantic error as one line: the dotted key, the message and the value given (shortened); an unknown key
+    of schema `cls` also names the closest allowed key."""
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     got = err.get("input")
     shown = f" (got {_short(repr(got))})" if err["type"] != "missing" and not isinstance(got, (dict, list)) else ""
+    if err["type"] == "extra_forbidden" and err["loc"]:
+        shown += did_you_mean(err["loc"][-1], _allowed_keys(cls, tuple(err["loc"])))
     return f"{loc}: {msg}{shown}" if loc else msg
+
+
+_UNKNOWN_POLICY_KEY = re.compile(r"policy\.(?P<key>[^:]+): unknown parameter for policy \S+ \(allowed: (?P<allowed>[^)]*)\)")
+
+
+def check_policy_params(params: dict) -> None:
+    """The policy mapping checked (policies.policy_config: this imports the policies, and so torch); an unknown
+    parameter's UserError also names the closest allowed one."""
+    try:
+        policy_config(params)
+    except UserError as e:
+        m = _UNKNOWN_POLICY_KEY.fullmatch(str(e))
+        if m is None:
+            raise
+        raise UserError(f"{e}{did_you_mean(m['key'], m['allowed'].split(', '))}") from None
+
+
+def check_policy(recipe: "Recipe", name: str = "recipe") -> None:
+    """The check that load_recipe(..., check_policy=False) left out; a UserError names `name` as load_recipe's do."""
+    try:
+        check_policy_params(recipe.policy)
+    except UserError as e:
+        raise UserError(f"{name}: {e}") from None
 
 
 def _short(text: str, limit: int = 80) -> str:
@@ -267,9 +346,11 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = None, kind: str = "recipe"):
+def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = None, kind: str = "recipe",
+                   context: dict | None = None):
     """An instance of `cls` (a recipe schema with a `base_dir` field) from a YAML file, a mapping or an
-    instance, with `--set` overrides applied; every problem is a one-line UserError naming file and key."""
+    instance, with `--set` overrides applied; every problem is a one-line UserError naming file and key.
+    `context`: pydantic's validation context (Recipe: {"check_policy": False} defers the policy's check)."""
     if isinstance(source, cls) and not overrides:
         return source
     name, base = kind, "."
@@ -287,19 +368,21 @@ def load_validated(cls: type[BaseModel], source, overrides: list[str] | None = N
     for key, value in parse_overrides(overrides or []):
         set_path(data, key, value)
     try:
-        return cls.model_validate({**data, "base_dir": base})
+        return cls.model_validate({**data, "base_dir": base}, context=context)
     except ValidationError as e:
-        raise UserError(f"{name}: {first_error(e)}") from None
+        raise UserError(f"{name}: {first_error(e, cls)}") from None
     except UserError as e:
         raise UserError(f"{name}: {e}") from None
 
 
-def load_recipe(source: str | Path | dict | Recipe, overrides: list[str] | None = None) -> Recipe:
-    """A Recipe from a YAML file, a mapping or a Recipe, with `--set` overrides applied."""
-    return load_validated(Recipe, source, overrides)
+def load_recipe(source: str | Path | dict | Recipe, overrides: list[str] | None = None,
+                check_policy: bool = True) -> Recipe:
+    """A Recipe from a YAML file, a mapping or a Recipe, with `--set` overrides applied. check_policy=False: the
+    policy's parameters are not checked yet (that imports torch); call check_policy(recipe) before using it."""
+    return load_validated(Recipe, source, overrides, context={"check_policy": check_policy})
 
 
-__all__ = ["Recipe", "ModelSpec", "GenerationSpec", "PromptSpec", "load_recipe", "POLICIES"]
+__all__ = ["Recipe", "ModelSpec", "GenerationSpec", "PromptSpec", "load_recipe", "check_policy", "POLICIES"]
 
 
 class _Dumper(yaml.SafeDumper):
@@ -314,6 +397,7 @@ def resolved_policy(params: dict) -> dict:
     """A policy mapping with every parameter of its config, defaults filled in (name first)."""
     from dataclasses import asdict, fields
 
+    check_policy_params(params)
     config = policy_config(params)
     given = asdict(config)
     return {"name": params["name"], **{f.name: given[f.name] for f in fields(config) if f.init}}

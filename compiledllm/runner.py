@@ -117,11 +117,12 @@ def _prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine,
     return model, prompts, engine, load_s, mesh
 
 
-def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
+def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | None = None,
             on_result: Callable[[GenerationResult], None] | None = None,
             output: Path | None = None, inputs: list[Path] = (),
             on_block: Callable[[int, list[int]], None] | None = None) -> tuple[list[GenerationResult], Summary]:
-    """Run a recipe. on_block(prompt index, tokens): a request's newly final tokens, per retired block (one
+    """Run a recipe. on_start(prompts, model): once the model is loaded and the prompts encoded;
+    on_block(prompt index, tokens): a request's newly final tokens, per retired block (one
     process; with parallel.data > 1 only results are reported). With `output`, results are written as each request ends to a temporary file that replaces
     `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
     previous files as they were (outputs.py). With parallel.data > 1 each engine replica decodes its share of the
@@ -134,7 +135,7 @@ def execute(recipe: Recipe, on_start: Callable[[int], None] | None = None,
     if not main_rank():
         output = None  # every rank of a replica decodes the same tokens (parallel/); rank 0 writes the run's
     if on_start is not None:
-        on_start(len(prompts))
+        on_start(len(prompts), model)
     sink = ResultSink(output) if output is not None else None
     done: list[GenerationResult] = []
 

@@ -340,3 +340,20 @@ def test_recipe_show_errors_are_one_line(tmp_path):
     assert_user_error(run_cli("recipe", "show", write_recipe(tmp_path), "--set", "policy.treshold=1"),
                       "policy.treshold")
     assert_user_error(run_cli("recipe", "show", write_recipe(tmp_path), "--eval"), "tasks")
+
+
+@pytest.mark.parametrize("quiet", [[], ["-q"]])
+def test_log_lines_show_under_quiet(tmp_path, quiet):
+    """-q silences progress bars and tables, not the log lines asked for (issue 32 item 6)."""
+    res = run_cli(*quiet, "--log-level", "debug", "run", write_recipe(tmp_path), "--set",
+                  "generation.max_new_tokens=4")
+    assert res.exit_code == 0, res.output
+    logged = [line for line in res.stderr.splitlines() if line.startswith(("INFO ", "DEBUG "))]
+    assert any(line.startswith("INFO compiledllm.cli: ") and "tiny-llada2-random" in line for line in logged), res.stderr
+    assert any(line.startswith("DEBUG compiledllm.cli: ") for line in logged), res.stderr
+    assert any("2 prompts" in line and "forwards" in line for line in logged), res.stderr
+    if quiet:
+        assert res.stdout.strip() == "", res.stdout
+    res = run_cli(*quiet, "--log-level", "warning", "run", write_recipe(tmp_path), "--set",
+                  "generation.max_new_tokens=4")
+    assert res.exit_code == 0 and "INFO" not in res.stderr, res.stderr

@@ -290,3 +290,32 @@ def test_a_task_id_may_be_an_int_and_other_keys_are_kept_out(tmp_path):
     file = tmp_path / "t.jsonl"
     file.write_text(json.dumps({**GOOD_TASK, "id": 7, "meta": {"x": 1}}) + "\n" + json.dumps(GOOD_TASK) + "\n")
     assert [t.id for t in load_tasks(file)] == ["7", "a"]
+
+
+# ---- 6. unknown keys name the closest allowed key (issue 32 item 6) ----------------------------------------------
+
+@pytest.mark.parametrize("sections, needles", [
+    ({"generation": {"max_tokens": 32}}, ("generation.max_tokens", "did you mean max_new_tokens?")),
+    ({"model": {**MODEL, "dtyp": "float32"}}, ("model.dtyp", "did you mean dtype?")),
+    ({"prompts": [{"txt": "hi"}]}, ("prompts.0.txt", "did you mean text?")),
+    ({"batch_sise": 2}, ("batch_sise", "did you mean batch_size?")),
+    ({"prefill": {"chunks": 8}}, ("prefill.chunks", "did you mean chunk?")),
+    ({"policy": {"name": "threshold", "treshold": 0.9}}, ("policy.treshold", "did you mean threshold?")),
+])
+def test_unknown_keys_say_did_you_mean(tmp_path, no_model, sections, needles):
+    assert_user_error(cli("run", recipe(tmp_path, **sections)), "r.yaml", *needles)
+    with pytest.raises(UserError, match="did you mean"):
+        load_recipe(recipe(tmp_path, **sections))
+
+
+def test_unknown_set_keys_say_did_you_mean(tmp_path, no_model):
+    path = recipe(tmp_path)
+    assert_user_error(cli("run", path, "--set", "generation.max_tokens=32"), "generation.max_tokens",
+                      "Extra inputs are not permitted", "did you mean max_new_tokens?")
+    assert_user_error(cli("run", path, "--set", "policy.edit_treshold=0.5", "--set", "policy.name=t2t"),
+                      "policy.edit_treshold", "did you mean edit_threshold?")
+    res = cli("run", path, "--set", "zzz=1")  # nothing close: no guess
+    assert_user_error(res, "zzz", "Extra inputs")
+    assert "did you mean" not in res.output
+    assert_user_error(cli("eval", write(tmp_path / "e.yaml", {**EVAL, "max_tokens": 4})), "max_tokens",
+                      "did you mean max_new_tokens?")
