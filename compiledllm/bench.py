@@ -201,7 +201,8 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
                         "process swaps or is killed instead) give batch sizes")
     given = file_prompts(model, recipe, settings.prompts_file) if settings.prompts_file is not None else None
     base = replace(EngineConfig.from_recipe(recipe), ignore_eos=True)
-    block = Engine(model, base).block
+    probe_engine = Engine(model, base)  # its cuda_graphs: what is used (CUDA only, not an exported engine)
+    block = probe_engine.block
     probe = MaxProbe(model, base, block, lambda n, length: synthetic_prompts(model, n, length, settings.seed))
     if on_start is not None:
         on_start(len(points))
@@ -211,7 +212,7 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
     report = {"recipe": str(path), "overrides": list(overrides or []), "model": recipe.model.name,
               "routing": recipe.model.routing, "dtype": recipe.model.dtype, "policy": resolved_policy(recipe.policy),
               "policy_name": policy_name(recipe.policy_config()), "block": block, "compile": base.compile,
-              "cuda_graphs": base.cuda_graphs, "prefill_chunk": base.prefill_chunk,
+              "cuda_graphs": probe_engine.cuda_graphs, "cuda_graphs_asked": base.cuda_graphs, "prefill_chunk": base.prefill_chunk,
               "prefill_tokens": base.prefill_tokens, "parallel": {"tensor": par.tensor, "expert": par.expert},
               "parameters": sum(t.numel() for t in model.parameters()),  # this rank's share of a split model
               "device": device, "torch": torch.__version__,

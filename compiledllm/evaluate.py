@@ -25,6 +25,12 @@ final token against the reference (positions inside both the output and the refe
   edit_breaks      draft right, final wrong; edit_break_share: of edited_tokens
 The reference policy is the exact decode the others are compared with: the first policy unless `reference`
 names another (by label or index).
+
+Lengths: `max_new_tokens: auto` (the default; `null` means the same) decodes each task file for as many new tokens
+as its longest reference has, so no reference is cut short. A number applies to every file; a reference longer
+than it can never match exactly, so such a file gets one warning (how many of its references are longer, the
+longest, and the max_new_tokens that fits them) and its report entry records the same under `longer_references`
+({"count", "longest", "max_new_tokens", "fits"}; count 0 when none is longer) and `warnings`.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compiledllm.errors import UserError
 from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, read_text
@@ -55,7 +61,8 @@ class EvalRecipe(_Strict):
     tasks: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)  # JSONL task files (relative to the recipe)
     policies: list[dict[str, Any]] = Field(min_length=1)        # policy params, plus an optional `label`
     reference: int | str | None = None                          # label or index of the reference policy
-    max_new_tokens: int | None = Field(default=None, ge=1)      # default: the longest reference of a file
+    # "auto" (or null): per task file, its longest reference; a number: every file (longer references: a warning)
+    max_new_tokens: Any = "auto"
     batch_size: int = Field(default=16, ge=1)
     limit: int | None = Field(default=None, ge=1)               # first N tasks of each file
     tokens: Literal["ids", "text"] = "ids"
@@ -65,6 +72,13 @@ class EvalRecipe(_Strict):
     output: str | None = Field(default="eval_results.json", min_length=1)
     threads: int | None = Field(default=None, ge=1)              # torch's CPU threads (default: threads.py)
     base_dir: str = Field(default=".", exclude=True)
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _lengths(cls, v):
+        if v is None or v == "auto" or (type(v) is int and v >= 1):
+            return v
+        raise ValueError("a number of tokens >= 1, or auto (each task file's longest reference)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -172,6 +186,23 @@ def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | Non
     return tasks
 
 
+def longer_references(tasks: list[Task], max_new_tokens: int | str | None) -> dict:
+    """How many references are longer (in tokens) than `max_new_tokens` (a number; "auto" / None: the longest
+    reference, so none), the longest, and the max_new_tokens that fits them all."""
+    longest = max(len(t.reference_ids) for t in tasks)
+    n_new = longest if max_new_tokens in (None, "auto") else max_new_tokens
+    return {"count": sum(len(t.reference_ids) > n_new for t in tasks), "longest": longest, "max_new_tokens": n_new,
+            "fits": longest}
+
+
+def longer_references_warning(name: str, info: dict, total: int) -> str | None:
+    if not info["count"]:
+        return None
+    return (f"{name}: {info['count']} of {total} references are longer than max_new_tokens={info['max_new_tokens']} "
+            f"(the longest: {info['longest']} tokens) and cannot match exactly; max_new_tokens={info['fits']} "
+            "(or max_new_tokens: auto) fits them all")
+
+
 def continuation_scores(outputs: list[list[int]], references: list[list[int]]) -> dict:
     correct = total = exact = prefix = 0
     for out, ref in zip(outputs, references):
@@ -228,7 +259,7 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
     EvalInterrupted with the policies that finished (the reference decodes first, so their agreement is known)."""
     labels = policy_labels(policies)
     ref_i = reference_index(reference, labels)
-    n_new = max_new_tokens or max(len(t.reference_ids) for t in tasks)
+    n_new = longer_references(tasks, max_new_tokens)["max_new_tokens"]
     outputs: dict[str, list[list[int]]] = {}
     metrics: dict[str, dict] = {}
     order = [ref_i] + [i for i in range(len(policies)) if i != ref_i]  # the reference decodes first
@@ -314,6 +345,13 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
     log.info("model %s on %s ready in %.2f s", m.name, model.device, report["load_s"])
     files = [(path, rec.resolve(path)) for path in rec.tasks]
     loaded = [load_tasks(file, model.tokenizer, rec.tokens, rec.limit) for _, file in files]
+    lengths = {}
+    for (_, file), tasks in zip(files, loaded):  # before the first decode: once per task file
+        info = longer_references(tasks, rec.max_new_tokens)
+        msg = longer_references_warning(file.name, info, len(tasks))
+        if msg:
+            log.warning("%s", msg)
+        lengths[file.name] = {"longer_references": info, **({"warnings": [msg]} if msg else {})}
     if on_start is not None:
         on_start(sum(len(tasks) for tasks in loaded) * len(rec.policies))
     for (path, file), tasks in zip(files, loaded):
@@ -323,9 +361,9 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
                            on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")),
                            on_result=on_result)
         except EvalInterrupted as e:
-            report["files"][file.name] = _entry(path, e.report, rec.save_outputs)
+            report["files"][file.name] = _entry(path, e.report, rec.save_outputs) | lengths[file.name]
             raise EvalInterrupted(report | {"interrupted": True}) from None
-        report["files"][file.name] = _entry(path, res, rec.save_outputs)
+        report["files"][file.name] = _entry(path, res, rec.save_outputs) | lengths[file.name]
     return report
 
 
@@ -401,4 +439,5 @@ def write_chart(report: dict, path: Path) -> Path | None:
 
 
 __all__ = ["EvalInterrupted", "EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
+           "longer_references",
            "continuation_scores", "agreement_scores", "edit_scores", "resolved_eval_recipe", "write_chart"]

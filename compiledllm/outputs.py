@@ -6,9 +6,11 @@
   prompt order, with its summary) into place only when the run ends, so a failed run leaves the previous results
   and summary as they were. An
   interrupted run keeps what finished as `<stem>.partial<suffix>` (with its summary) and says so. An exclusive lock
-  on `.<target>.lock` (flock: released by the kernel when the process dies; the empty file stays, since deleting it
-  could let two runs lock different files) makes a second run on the same output a one-line error instead of two
-  runs interleaving.
+  on `.<target>.lock` (flock: released by the kernel when the process dies) makes a second run on the same output
+  a one-line error instead of two runs interleaving. The run removes the lock file when it releases it (a killed
+  run leaves it; the next run takes it over). Deleting a lock file could let two runs lock different files (one the
+  removed file, opened just before its removal, the other a new one), so a run that has taken the lock checks that
+  the file it locked is still the one at the path, and otherwise opens the new one and tries again.
 * `write_atomic` writes a whole file (an eval report, a profile) the same way.
 """
 from __future__ import annotations
@@ -73,17 +75,8 @@ class ResultSink:
     def __init__(self, output: Path):
         self.output = output
         self.count = 0
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            self._lock = open(output.with_name(f".{output.name}.lock"), "w")
-        except OSError as e:
-            raise UserError(f"output: cannot write {output} ({e.strerror})") from None
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock.close()
-            raise UserError(f"output: {output} is being written by another run (it holds .{output.name}.lock); "
-                            "wait for it or name another output") from None
+        self._lock_path = output.with_name(f".{output.name}.lock")
+        self._lock = _lock(self._lock_path, output)
         self._tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
         self._file = open(self._tmp, "w")
 
@@ -118,5 +111,39 @@ class ResultSink:
         self._release()
 
     def _release(self) -> None:
+        """Remove the lock file, then unlock: a run waiting on the removed file sees that it is gone (_lock)."""
+        try:
+            if _same_file(self._lock, self._lock_path):
+                self._lock_path.unlink()
+        except OSError:
+            pass  # a lock file that cannot be removed only stays behind, as a killed run's does
         fcntl.flock(self._lock, fcntl.LOCK_UN)
         self._lock.close()
+
+
+def _same_file(f, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(f.fileno())
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _lock(path: Path, output: Path):
+    """The open, exclusively locked lock file at `path`; a one-line error while another run holds it."""
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a")
+        except OSError as e:
+            raise UserError(f"output: cannot write {output} ({e.strerror})") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise UserError(f"output: {output} is being written by another run (it holds {path.name}); "
+                            "wait for it or name another output") from None
+        if _same_file(f, path):
+            return f
+        f.close()  # the run that held it removed it on release (after this open): lock the file there now

@@ -5,7 +5,9 @@ short warm-up (one block per prompt, the same KV capacity) goes first, so that k
 library start-up and allocator growth are not counted. Then the whole run is timed per phase by the labelled
 ranges of compiledllm.profiling (a PhaseClock: cheap), while torch.profiler records only a few steps (its
 schedule: skip one, warm up one, record `record_steps`), which bounds the trace. A step is one decode forward of
-the engine (every active slot at once); prefill is a run total, not a per-step cost. Outputs trace.json.gz
+the engine (every active slot at once); prefill is a run total, not a per-step cost. `forwards` means what it means
+in `compiledllm run` (and eval): per request, the decode forwards it took part in, summed over the requests, so a
+step of 4 active requests is 4 forwards; the profile shows both counts. Outputs trace.json.gz
 (chrome://tracing and Perfetto open it), profile.json and profile.png.
 """
 from __future__ import annotations
@@ -29,7 +31,10 @@ from compiledllm.runner import Summary, make_summary, prepare
 MODE = "eager, profiled"
 RECORD_STEPS = 5
 TRACE_FILE = "trace.json.gz"
-STEPS_MEANING = "decode forwards of the engine (each runs every active slot at once); prefill not counted"
+STEPS_MEANING = ("engine steps (one batched decode forward each, over every active request; `run`'s forwards count "
+                 "each request in a step, so they add up to more); prefill not counted")
+FORWARDS_MEANING = ("as `compiledllm run` counts them: per request, the decode forwards it took part in, summed "
+                    "(a step over 4 active requests is 4 forwards); prefill not counted")
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,7 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
     rows = phase_rows(run.clock.totals(), steps, run.wall_s * 1000.0)
     busy = busy_ms(events) if cuda and run.recorded else None
     report = {"mode": MODE, "summary": summary.__dict__, "steps": steps, "steps_are": STEPS_MEANING,
+              "forwards": summary.forwards, "forwards_are": FORWARDS_MEANING,
               "wall_ms": run.wall_s * 1000.0, "profiler_ms_left_out": run.profiler_s * 1000.0,
               "phases": [r.__dict__ for r in rows], "trace": str(trace) if run.recorded else None,
               "recorded_steps": run.recorded,
@@ -192,7 +198,7 @@ def phase_rows(times: dict[str, float], steps: int, wall_ms: float) -> list[Phas
 
 def title(summary: Summary, steps: int) -> str:
     return (f"{summary.model} · {summary.policy} · {summary.device} · {MODE} · {steps} steps "
-            f"(decode forwards) · {summary.wall_s:.2f} s")
+            f"({summary.forwards} forwards, as run counts them) · {summary.wall_s:.2f} s")
 
 
 def write_chart(rows: list[PhaseRow], summary: Summary, steps: int, path: Path) -> Path | None:

@@ -47,7 +47,30 @@ class Engine:
         self.stats: RunStats | None = None  # where the last generate()'s time went
 
     @classmethod
-    def from_recipe(cls, model, recipe) -> "Engine":
+    def from_recipe(cls, model, recipe=None, overrides: list[str] | None = None) -> "Engine":
+        """Engine.from_recipe(model, recipe) with a loaded model, or Engine.from_recipe(recipe) alone, which loads
+        the recipe's model (model.path, device, dtype, ...) as `compiledllm run` does. `recipe`: a Recipe, the path
+        of a recipe YAML file or its mapping; `overrides`: `--set`-style "key.path=value" strings for a path or a
+        mapping. The recipe's prompts and output are not used (pass prompts to generate); nor is its `threads`
+        (torch's thread count is the caller's)."""
+        from compiledllm.recipe import Recipe, load_recipe
+
+        if recipe is None:
+            if isinstance(model, torch.nn.Module) or hasattr(model, "static_shapes"):
+                raise UserError("Engine.from_recipe(model): give the recipe too (Engine.from_recipe(model, recipe)), "
+                                "or the recipe alone to load its model")
+            model, recipe = None, model
+        if not isinstance(recipe, Recipe) or overrides:
+            recipe = load_recipe(recipe, overrides)
+        if model is None:
+            from compiledllm.runner import load_from_spec
+
+            p = recipe.parallel
+            if p.tensor * p.expert * p.data > 1:
+                raise UserError(f"Engine.from_recipe: the recipe splits the model (parallel tensor={p.tensor}, "
+                                f"expert={p.expert}, data={p.data}); load this rank's share with load_from_spec and a "
+                                "mesh, then call Engine.from_recipe(model, recipe)")
+            model = load_from_spec(recipe.model)
         return cls(model, EngineConfig.from_recipe(recipe))
 
     @property

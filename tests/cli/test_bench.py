@@ -51,6 +51,8 @@ def test_bench_grid_end_to_end(tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert {"recipe", "model", "policy", "device", "torch", "settings", "points", "block"} <= set(report)
     assert report["device"] == "cpu" and report["routing"] == "balanced" and report["block"] == 8
+    # the recipe asks for CUDA graphs (the default) but a CPU run has none: the report says what was used
+    assert report["cuda_graphs"] is False and report["cuda_graphs_asked"] is True
     assert report["settings"]["rate"] == "inf" and report["settings"]["batches"] == [1, 2]
     points = report["points"]
     assert [(p["prompt_len"], p["output_len"], p["batch"]) for p in points] == [

@@ -312,3 +312,70 @@ def test_recipe_show_keeps_derived_labels(tmp_path):
     again = load_eval_recipe(tmp_path / "shown.yaml")
     assert [p["label"] for p in again.policies] == ["threshold(block_size=4)", "t2t()"]
     assert again.reference == "t2t()"
+
+
+# ---- lengths: a reference longer than max_new_tokens is a warning; `auto` fits each file ------------------
+
+def two_lengths(tmp_path: Path, **change) -> Path:
+    """small_eval with one 3-token and one 6-token reference."""
+    path = small_eval(tmp_path, **change)
+    (tmp_path / "t.jsonl").write_text(
+        json.dumps({"prompt_ids": [5, 6, 7, 8], "reference_ids": [9, 10, 11]}) + "\n"
+        + json.dumps({"prompt_ids": [6, 6, 7, 8], "reference_ids": [9, 10, 11, 12, 13, 14]}) + "\n")
+    return path
+
+
+def test_longer_references_by_hand():
+    from compiledllm.evaluate import Task, longer_references
+
+    tasks = [Task("a", [1], [2] * 3), Task("b", [1], [2] * 6), Task("c", [1], [2] * 5)]
+    assert longer_references(tasks, 4) == {"count": 2, "longest": 6, "max_new_tokens": 4, "fits": 6}
+    assert longer_references(tasks, 6)["count"] == 0
+    for auto in ("auto", None):
+        assert longer_references(tasks, auto) == {"count": 0, "longest": 6, "max_new_tokens": 6, "fits": 6}
+
+
+def test_references_longer_than_max_new_tokens_warn_once_and_are_recorded(tmp_path):
+    res = CliRunner().invoke(app, ["eval", str(two_lengths(tmp_path))])  # max_new_tokens: 4
+    assert res.exit_code == 0, res.output
+    warned = [ln for ln in res.output.splitlines() if "longer than max_new_tokens" in ln]
+    assert len(warned) == 1, res.output  # once per task file, not per policy
+    assert "t.jsonl: 1 of 2 references" in warned[0] and "max_new_tokens=4" in warned[0]
+    assert "6 tokens" in warned[0] and "max_new_tokens=6" in warned[0], warned[0]
+    entry = json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]
+    assert entry["max_new_tokens"] == 4
+    assert entry["longer_references"] == {"count": 1, "longest": 6, "max_new_tokens": 4, "fits": 6}
+    assert len(entry["warnings"]) == 1 and "1 of 2 references" in entry["warnings"][0]
+
+
+def test_max_new_tokens_auto_fits_each_task_file(tmp_path):
+    res = CliRunner().invoke(app, ["eval", str(two_lengths(tmp_path, max_new_tokens="auto"))])
+    assert res.exit_code == 0, res.output
+    assert "longer than max_new_tokens" not in res.output
+    entry = json.loads((tmp_path / "report.json").read_text())["files"]["t.jsonl"]
+    assert entry["max_new_tokens"] == 6 and entry["longer_references"]["count"] == 0 and "warnings" not in entry
+    assert "6 new tokens" in res.stdout
+
+
+@pytest.mark.parametrize("value", [0, -1, "forever", 2.5, True])
+def test_bad_max_new_tokens(value):
+    base = {"model": {"path": "tiny-llada2-random"}, "tasks": ["x.jsonl"], "policies": [{"name": "threshold"}]}
+    with pytest.raises(UserError, match="max_new_tokens: a number of tokens >= 1, or auto"):
+        load_eval_recipe({**base, "max_new_tokens": value})
+    assert load_eval_recipe(base).max_new_tokens == "auto"  # the default
+
+
+def test_eval_yardstick_recipe_loads():
+    from compiledllm.evaluate import resolved_eval_recipe
+
+    path = ROOT / "recipes" / "eval_yardstick.yaml"
+    for model in ("tiny-llada2.1", "tiny-llada"):
+        rec = load_eval_recipe(path, [f"model.path={model}"])
+        assert rec.model.name == model and rec.max_new_tokens == "auto"
+        assert all(rec.resolve(t).is_file() for t in rec.tasks)
+        data = resolved_eval_recipe(rec)
+        assert [p["label"] for p in data["policies"]] == ["threshold-0.95", "threshold-0.9", "t2t"]
+        assert data["reference"] == "threshold-0.95"
+    res = CliRunner().invoke(app, ["recipe", "show", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "max_new_tokens: auto" in res.stdout

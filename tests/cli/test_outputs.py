@@ -40,7 +40,7 @@ def unchanged(files):
 def test_a_run_writes_results_and_summary_together_and_leaves_no_temporaries(tmp_path, previous):
     summary = json.loads((tmp_path / "out.summary.json").read_text())
     assert summary["prompts"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.jsonl.lock", "out.jsonl", "out.summary.json", "r.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.summary.json", "r.yaml"]  # no lock file
 
 
 def test_a_rerun_that_fails_validation_keeps_the_previous_results(tmp_path, previous):
@@ -113,6 +113,53 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp
         assert_user_error(runner.invoke(app, ["run", str(recipe(tmp_path))]), "being written by another run")
     assert unchanged(previous)
     assert runner.invoke(app, ["run", str(recipe(tmp_path))]).exit_code == 0  # released: runs again
+    assert not (tmp_path / ".out.jsonl.lock").exists()  # taken over, then removed on release
+
+
+@pytest.mark.parametrize("end", ["commit", "keep_partial", "discard"])
+def test_the_lock_file_is_removed_when_the_run_releases_it(tmp_path, end):
+    from compiledllm.errors import UserError
+    from compiledllm.outputs import ResultSink
+
+    out = tmp_path / "out.jsonl"
+    sink = ResultSink(out)
+    assert (tmp_path / ".out.jsonl.lock").exists()
+    with pytest.raises(UserError, match="being written by another run"):
+        ResultSink(out)  # a concurrent writer is still refused
+    sink.write({"index": 0})
+    getattr(sink, end)(*([] if end == "discard" else [{"prompts": 1}]))
+    assert not (tmp_path / ".out.jsonl.lock").exists()
+    again = ResultSink(out)  # and the next run takes the output
+    again.discard()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_run_that_locked_a_removed_lock_file_locks_the_new_one(tmp_path, monkeypatch):
+    # run B opened the lock file just before run A removed it on release and then locked that removed file; meanwhile
+    # run C created a new lock file at the path and holds it: B must see that its file is gone and be refused by C's
+    import compiledllm.outputs as outputs
+    from compiledllm.errors import UserError
+
+    out, path = tmp_path / "out.jsonl", tmp_path / ".out.jsonl.lock"
+    real, calls, held = outputs.fcntl.flock, [], []
+
+    def flock(f, op):
+        calls.append(op)
+        if len(calls) == 1:  # B's first try: A releases (removes the file), C takes the path
+            path.unlink()
+            held.append(open(path, "w"))
+            real(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real(f, op)
+
+    monkeypatch.setattr(outputs.fcntl, "flock", flock)
+    with pytest.raises(UserError, match="being written by another run"):
+        outputs.ResultSink(out)
+    assert len(calls) == 2  # locked the removed file, saw it gone, tried the new one
+    monkeypatch.setattr(outputs.fcntl, "flock", real)
+    held[0].close()  # C ends (killed: its file stays); the next run takes it over and removes it
+    sink = outputs.ResultSink(out)
+    sink.discard()
+    assert not path.exists()
 
 
 def test_eval_profile_and_export_check_their_outputs_before_working(tmp_path):

@@ -70,6 +70,11 @@ def test_one_step_count_the_engines_forwards(profiled):
             assert r["per_step_ms"] == pytest.approx(r["total_ms"] / forwards)
     assert f"{forwards} steps" in " ".join(res.output.split())  # the table's title
     assert f"{report['summary']['forwards']} steps" not in " ".join(res.output.split())
+    # one word across commands: `forwards` is what `run` counts (per request), shown beside the engine's steps
+    assert f"{forwards} steps ({report['summary']['forwards']} forwards, as run counts them)" in " ".join(
+        res.output.split())
+    assert report["forwards"] == report["summary"]["forwards"] and "compiledllm run" in report["forwards_are"]
+    assert "engine steps" in report["steps_are"]
 
 
 def test_trace_is_gzipped_bounded_to_the_recorded_steps_and_quiet(profiled):
@@ -131,3 +136,15 @@ def test_the_phase_clock_counts_outermost_ranges_and_steps():
     assert clock.forwards == 2 == len(seen)
     with phase("attention"):  # no clock: only the profiler's range
         pass
+
+
+def test_profile_forwards_are_run_forwards(profiled, tmp_path):
+    # the same recipe through `run`: its summary's forwards are the number the profile shows as forwards
+    res, out, _ = profiled
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(RECIPE | {"output": str(tmp_path / "out.jsonl")}))
+    ran = runner.invoke(app, ["run", str(path)])
+    assert ran.exit_code == 0, ran.output
+    run_forwards = json.loads((tmp_path / "out.summary.json").read_text())["forwards"]
+    assert json.loads((out / "profile.json").read_text())["forwards"] == run_forwards
+    assert f"({run_forwards} forwards, as run counts them)" in " ".join(res.output.split())
