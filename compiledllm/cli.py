@@ -41,8 +41,17 @@ def with_flags(overrides: list[str] | None, trust_exported: bool = False, thread
             *([f"threads={threads}"] if threads is not None else [])]
 
 
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fail(message: str) -> None:
-    alerts.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # the message as plain text: it may hold brackets ("compiledllm[plot]") that rich would read as markup
+    alerts.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -338,7 +347,7 @@ def profile(
     trace = res.trace or f"none (the run's {res.steps} steps ended before the recorded ones)"
     console.print(f"trace: {trace}   report: {out / 'profile.json'}")
     console.print(f"chart: {res.chart}" if res.chart else "chart: skipped (pip install 'compiledllm[plot]' for "
-                  "matplotlib)")
+                  "matplotlib)", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -501,7 +510,7 @@ def eval_(
     if out is not None:
         console.print(f"wrote {out}", highlight=False, soft_wrap=True)
         console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for "
-                      "matplotlib)", highlight=False, soft_wrap=True)
+                      "matplotlib)", markup=False, highlight=False, soft_wrap=True)
 
 
 recipe_app = typer.Typer(no_args_is_help=True, help="Inspect recipes.")
@@ -663,6 +672,8 @@ def bench(
             batches=parse_list(batch, "--batch", allow_max=True) if batch else None, requests=requests,
             rate=parse_rate(rate), seed=seed)
         inputs = [recipe, *([prompts] if prompts else [])]
+        if plot is not None and not has_matplotlib():  # before the run, not after it
+            raise UserError("--plot: needs matplotlib (pip install 'compiledllm[plot]'), or leave --plot out")
         for path, what in ((out, "--out"), (plot, "--plot")):
             if path is not None:
                 check_output(path, inputs, what)
