@@ -31,8 +31,8 @@ TRUST_HELP = ("Allow model.path to be an exported engine: loading one runs its n
               "model.trust_exported: true).")
 
 
-THREADS_HELP = ("torch's CPU threads (same as the recipe key threads; default: the cores not busy with other work "
-                "when the run starts).")
+THREADS_HELP = ("torch's CPU threads, pinned (same as the recipe key threads; default: the cores other work leaves "
+                "free, re-checked between steps while the run goes on).")
 
 
 def with_flags(overrides: list[str] | None, trust_exported: bool = False, threads: int | None = None) -> list[str]:

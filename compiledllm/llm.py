@@ -26,6 +26,7 @@ from compiledllm.policies import PolicyConfig
 from compiledllm.policies.sampling import Sampling
 from compiledllm.recipe import ModelSpec, Recipe, first_error, load_recipe
 from compiledllm.runner import load_from_spec
+from compiledllm.threads import set_threads
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingParams' fields that PolicyConfig carries
 
@@ -82,14 +83,17 @@ class LLM:
     """A loaded model and engine settings. `model`: a built-in name ("tiny-llada2"), a checkpoint directory, a
     Hugging Face name (ORG/NAME), an exported engine, a recipe file or Recipe (its model and engine settings; the
     keyword arguments override them), or a model already loaded. Settings left None keep the recipe's values, else
-    EngineConfig's defaults; `policy` is a name ("t2t"), a mapping of policy parameters or a PolicyConfig."""
+    EngineConfig's defaults; `policy` is a name ("t2t"), a mapping of policy parameters or a PolicyConfig.
+    `threads`: torch's CPU threads, pinned from the first call on as --threads pins them (default: the recipe's
+    `threads`, else the CLI's policy, compiledllm/threads.py: the cores other work leaves free, re-checked while a
+    call runs)."""
 
     def __init__(self, model: str | os.PathLike | Recipe | BlockDiffusionLM, *,
                  policy: str | dict | PolicyConfig | None = None, batch_size: int | None = None,
                  max_seq_len: int | None = None, compile: bool | None = None, cuda_graphs: bool | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mask_token_id: int | None = None, eos_token_id: int | None = None, trust_exported: bool = False,
-                 revision: str | None = None):
+                 revision: str | None = None, threads: int | None = None):
         load = {"device": device, "dtype": dtype, "mask_token_id": mask_token_id, "eos_token_id": eos_token_id,
                 "revision": revision, "trust_exported": trust_exported or None}
         load = {k: v for k, v in load.items() if v is not None}  # only what was given overrides a recipe's model
@@ -99,6 +103,10 @@ class LLM:
         elif not isinstance(model, (str, os.PathLike, BlockDiffusionLM)):
             raise UserError(f"LLM: model is a built-in name, a checkpoint directory, ORG/NAME, a recipe file, a Recipe "
                             f"or a loaded model, got {type(model).__name__}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
+                                    or threads < 1):
+            raise UserError(f"LLM: threads: an integer >= 1 (or None: follow the machine), got {threads!r}")
+        self.threads = threads if threads is not None else (recipe.threads if recipe else None)
         if isinstance(policy, str):
             policy = {"name": policy}
         settings = {"policy": policy, "batch_size": batch_size, "max_seq_len": max_seq_len, "compile": compile,
@@ -189,6 +197,8 @@ class LLM:
             raise UserError(f"params: a compiledllm.SamplingParams, got {type(params).__name__}"
                             + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
         engine = self.engine_for(params)
+        if self.threads is not None:  # pinned, as --threads; else the session's thread policy (threads.py)
+            set_threads(self.threads)
         if not progress:
             results = engine.generate(ids)
         else:

@@ -31,6 +31,7 @@ from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
 from compiledllm.policies.sampling import request_key
 from compiledllm.profiling import phase as profile_range
+from compiledllm.threads import follow as follow_threads
 
 
 @dataclass
@@ -57,6 +58,7 @@ class EngineSession:
         self.engine, self.model, self.policy = engine, engine.model, engine.policy
         self.slots, self.capacity, self.block_events = slots, capacity, block_events
         self.block = self.policy.block_size
+        self.threads = follow_threads(self.model.device)  # CPU: torch's threads follow the machine (threads.py)
         self.st, self.kv = self._allocate()
         cfg = engine.config
         buckets = engine.buckets or (default_buckets(slots) if engine.cuda_graphs or not engine.compile else [slots])
@@ -154,6 +156,8 @@ class EngineSession:
     # --- one step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
+        if self.threads is not None:  # between steps: at most every threads.CHECK_S, one /proc/stat read
+            self.threads.check()
         events: list[Event] = []
         self._cancellations(events)
         ready = self._admit()

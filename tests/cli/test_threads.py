@@ -20,8 +20,13 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def keep_threads():
+def keep_threads(monkeypatch):
+    """torch's count and the policy's own record (threads.py) as they were; no OMP_NUM_THREADS from the caller."""
     before = torch.get_num_threads()
+    for k in threads.ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    for k in ("_baseline", "_mine", "_pinned"):
+        monkeypatch.setattr(threads, k, getattr(threads, k))
     yield
     torch.set_num_threads(before)
 
@@ -36,12 +41,14 @@ def recipe(tmp_path, **keys):
 
 def test_default_counts_the_cores_other_work_leaves_free(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    torch.set_num_threads(8)
+    monkeypatch.setattr(threads, "_baseline", 8)
     for busy, want in [(0.0, 8), (2.6, 5), (7.0, 1), (30.0, 1)]:
         monkeypatch.setattr(threads, "busy_cores", lambda busy=busy: busy)
         assert default_threads() == want
-    torch.set_num_threads(4)  # never above torch's own default (physical cores)
+    monkeypatch.setattr(threads, "_baseline", 4)  # never above torch's own count as first seen (its default)
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
+    torch.set_num_threads(4)
+    monkeypatch.setattr(threads, "_mine", None)
     assert default_threads() == 4 and set_threads(None) == 4 and set_threads(3) == 3 == torch.get_num_threads()
 
 
@@ -70,3 +77,31 @@ def test_threads_key_and_flag_set_the_run_and_are_reported(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "true"])
 def test_bad_threads_are_one_line_errors(tmp_path, value):
     assert_user_error(runner.invoke(app, ["run", recipe(tmp_path), "--set", f"threads={value}"]), "threads")
+
+
+def test_the_cli_default_follows_the_load_and_the_flag_pins(tmp_path, monkeypatch):
+    """No --threads: the default (1 of 2 cores busy: 1 thread) and the re-check (faked readings: the load leaves,
+    two checks later the run takes 2); --threads 2 under the same load: 2, no re-check."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads, "_baseline", 2)
+    monkeypatch.setattr(threads, "_mine", None)
+    monkeypatch.setattr(threads, "_pinned", None)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(threads, "CHECK_S", 0.0)
+    clock = iter(range(1, 10**6))
+    monkeypatch.setattr(threads, "machine_reading", lambda: (float(next(clock)), 0.0, 0.0))  # nothing else busy
+    res = runner.invoke(app, ["run", recipe(tmp_path, generation={"max_new_tokens": 64})])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 2  # 1 at the start, then 2
+    monkeypatch.setattr(threads, "machine_reading", lambda: (float(next(clock)), 0.0, 0.0))
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "_mine", None)
+    monkeypatch.setattr(threads, "CHECK_S", 1e9)  # no re-check: the start's decision stays
+    res = runner.invoke(app, ["run", recipe(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 1 and "cpu · 1 thread " in res.output
+    monkeypatch.setattr(threads, "CHECK_S", 0.0)
+    res = runner.invoke(app, ["run", recipe(tmp_path), "--threads", "2"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out.summary.json").read_text())["threads"] == 2
