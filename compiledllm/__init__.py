@@ -4,6 +4,7 @@ Public API (imported lazily so that `import compiledllm.<sub>` stays cheap and i
     load_model(path, device="cpu", dtype=torch.float32) -> Model
     run(recipe) -> list[Result]
     LLM(model_or_recipe, ...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]
+    LLM(...).generate(prompts, params, stream=True) -> iterator of StreamOutput (new text per finished block)
     Recipe
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ _LAZY = {
     "Recipe": ("compiledllm.recipe", "Recipe"),
     "LLM": ("compiledllm.llm", "LLM"),
     "SamplingParams": ("compiledllm.llm", "SamplingParams"),
+    "RequestOutput": ("compiledllm.llm", "RequestOutput"),
+    "StreamOutput": ("compiledllm.llm", "StreamOutput"),
     "UserError": ("compiledllm.errors", "UserError"),
 }
 

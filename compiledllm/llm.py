@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -26,6 +26,7 @@ from compiledllm.policies import PolicyConfig
 from compiledllm.policies.sampling import Sampling
 from compiledllm.recipe import ModelSpec, Recipe, first_error, load_recipe
 from compiledllm.runner import load_from_spec
+from compiledllm.stream import text_deltas
 from compiledllm.threads import set_threads
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingParams' fields that PolicyConfig carries
@@ -61,6 +62,21 @@ class RequestOutput:
     steps: int                   # forwards made for this request (prefill not counted)
     latency_s: float             # arrival (the run's start) to finish, its queueing and prefill included
     policy_stats: dict = field(default_factory=dict)  # the policy's own statistics (Policy.report)
+
+
+@dataclass(frozen=True)
+class StreamOutput:
+    """One piece of a prompt's output as it is decoded (LLM.generate(..., stream=True)): `text` / `token_ids` are
+    new since the prompt's last piece (text never splits a character; None without a tokenizer); the prompt's last
+    piece has `output`, its RequestOutput."""
+    index: int                   # the prompt's place in the call
+    text: str | None
+    token_ids: list[int]
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
 
 
 def with_sampling(policy: PolicyConfig, params: SamplingParams) -> PolicyConfig:
@@ -151,7 +167,7 @@ class LLM:
         return self._engine
 
     def generate(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None, *,
-                 progress: bool = False) -> list[RequestOutput]:
+                 progress: bool = False, stream: bool = False) -> list[RequestOutput] | Iterator[StreamOutput]:
         """Decode each prompt (text, or a list of token ids); one output per prompt, in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -164,7 +180,13 @@ class LLM:
             i = next(i for i, t in enumerate(texts) if t is not None)
             raise UserError(f"prompt {i}: text, but {self.name} has no tokenizer.json; give token ids")
         ids = [self.tokenizer.encode(p) if t is not None else p for p, t in zip(prompts, texts)]
-        return self._run(texts, ids, params, progress)
+        return self._stream(texts, ids, params) if stream else self._run(texts, ids, params, progress)
+
+    def stream(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None
+               ) -> Iterator[StreamOutput]:
+        """generate(prompts, params, stream=True): each prompt's new text as its blocks finish (StreamOutput, the
+        last one of a prompt carrying its RequestOutput); prompts interleave as they decode."""
+        return self.generate(prompts, params, stream=True)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None, *,
              add_generation_prompt: bool = True, progress: bool = False) -> list[RequestOutput]:
@@ -189,8 +211,16 @@ class LLM:
                 raise UserError(f"conversation {i}: {e}") from None
         return self._run(texts, [self.tokenizer.encode(t) for t in texts], params, progress)
 
-    def _run(self, texts: list[str | None], ids: list, params: SamplingParams | None,
-             progress: bool) -> list[RequestOutput]:
+    def _stream(self, texts: list[str | None], ids: list, params: SamplingParams | None) -> Iterator[StreamOutput]:
+        events = self._engine_of(params).events(ids)  # the settings and prompts are checked here, not at next()
+        return self._deltas(texts, events)
+
+    def _deltas(self, texts: list[str | None], events) -> Iterator[StreamOutput]:
+        for d in text_deltas(events, self.tokenizer):
+            out = None if d.result is None else self._output(texts[d.request_id], d.result)
+            yield StreamOutput(d.request_id, d.text if self.tokenizer is not None else None, d.token_ids, out)
+
+    def _engine_of(self, params: SamplingParams | None) -> Engine:
         if params is None:
             params = self.default_params
         elif not isinstance(params, SamplingParams):
@@ -199,6 +229,11 @@ class LLM:
         engine = self.engine_for(params)
         if self.threads is not None:  # pinned, as --threads; else the session's thread policy (threads.py)
             set_threads(self.threads)
+        return engine
+
+    def _run(self, texts: list[str | None], ids: list, params: SamplingParams | None,
+             progress: bool) -> list[RequestOutput]:
+        engine = self._engine_of(params)
         if not progress:
             results = engine.generate(ids)
         else:

@@ -62,16 +62,18 @@ class StreamDelta:
 
 
 def text_deltas(events: Iterator[Event], tokenizer) -> Iterator[StreamDelta]:
-    """Session events -> text deltas per request (a request's FinishEvent gives its last delta, with the result)."""
+    """Session events -> text deltas per request (a request's FinishEvent gives its last delta, with the result);
+    without a tokenizer the deltas carry tokens only (text '')."""
     streams: dict[int, TextStream] = {}
     for ev in events:
         s = streams.setdefault(ev.request_id, TextStream(tokenizer))
         if isinstance(ev, BlockEvent):
-            text = s.push(ev.tokens)
+            text = s.push(ev.tokens) if tokenizer is not None else ""
             if text or ev.tokens:
                 yield StreamDelta(ev.request_id, text, list(ev.tokens))
         elif isinstance(ev, FinishEvent):
-            final = ev.result.text if ev.result.text is not None else tokenizer.decode(ev.result.output_ids)
+            final = ev.result.text if ev.result.text is not None else (
+                tokenizer.decode(ev.result.output_ids) if tokenizer is not None else "")
             rest = s.finish(final)
             del streams[ev.request_id]
             yield StreamDelta(ev.request_id, rest, [], ev.result)

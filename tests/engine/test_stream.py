@@ -2,6 +2,8 @@
 result's text."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import compiledllm
@@ -54,3 +56,19 @@ def test_a_stop_string_cuts_the_streamed_text_too(tiny):
         result = d.result or result
     assert result.finish_reason == "stop" and result.text == full[: full.find(stop)]
     assert got == result.text  # nothing past the stop string was ever shown
+
+
+def test_llm_stream_yields_text_per_block_and_the_outputs_of_generate():
+    llm = compiledllm.LLM("tiny-llada2", policy=POLICY, batch_size=2)
+    prompts = ["def fibonacci(n):\n    if n", "class Stack:\n    def push("]
+    params = compiledllm.SamplingParams(max_new_tokens=64)
+    pieces = list(llm.generate(prompts, params, stream=True))
+    outs = llm.generate(prompts, params)
+    for i, want in enumerate(outs):
+        mine = [p for p in pieces if p.index == i]
+        assert "".join(p.text for p in mine) == want.text
+        assert replace(mine[-1].output, latency_s=0) == replace(want, latency_s=0)
+        assert sum(p.finished for p in mine) == 1 and mine[-1].finished and len(mine) >= 3
+        assert [t for p in mine for t in p.token_ids] == want.token_ids
+    with pytest.raises(compiledllm.UserError, match="params: a compiledllm.SamplingParams"):
+        llm.stream(prompts, {"max_new_tokens": 4})  # checked at the call, not at the first next()
