@@ -199,6 +199,7 @@ class EngineSession:
                 self._queue.remove(req)
             else:
                 self.st.active[req.slot] = False
+                self._begun = [b for b in self._begun if b != req.slot]
             events.append(FinishEvent(rid, self._finish(req, "cancelled")))
         self._cancel.clear()
 
