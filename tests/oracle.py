@@ -71,11 +71,11 @@ def gated_mlp(x, w_gate, w_up, w_down):
     return linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
-def rope(x: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
-    """NeoX rotate-half RoPE on the first `rot` dims of x [B, heads, L, hd]; positions 0..L-1."""
+def rope(x: torch.Tensor, rot: int, theta: float, start: int = 0) -> torch.Tensor:
+    """NeoX rotate-half RoPE on the first `rot` dims of x [B, heads, L, hd]; positions start..start+L-1."""
     L = x.shape[-2]
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=F64) / rot))
-    pos = torch.arange(L, dtype=F64)
+    pos = torch.arange(start, start + L, dtype=F64)
     ang = pos[:, None] * inv_freq[None, :]  # [L, rot/2]
     emb = torch.cat([ang, ang], dim=-1)  # [L, rot]
     cos, sin = torch.cos(emb), torch.sin(emb)
@@ -210,7 +210,10 @@ def sdar_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) 
 # ----------------------------------------------------------------------------- LLaDA (bidirectional)
 
 
-def llada_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) -> torch.Tensor:
+def llada_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None, start: int = 0,
+                  past: list | None = None, fresh: list | None = None) -> torch.Tensor:
+    """Tokens at positions start.. (the prompt from 0 by default); `past`: per layer the K/V [B, KVH, S, hd] of
+    earlier positions, which every token also sees (a prefix cache); `fresh` collects these tokens' K/V per layer."""
     L = ids.shape[1]
     H, KVH, d = cfg["n_heads"], cfg.get("n_kv_heads", cfg["n_heads"]), cfg["d_model"]
     hd = d // H
@@ -223,7 +226,12 @@ def llada_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None)
         q = split_heads(linear(h, w[p + "q_proj.weight"]), H, hd)
         k = split_heads(linear(h, w[p + "k_proj.weight"]), KVH, hd)
         v = split_heads(linear(h, w[p + "v_proj.weight"]), KVH, hd)
-        q, k = rope(q, hd, cfg["rope_theta"]), rope(k, hd, cfg["rope_theta"])
+        q, k = rope(q, hd, cfg["rope_theta"], start), rope(k, hd, cfg["rope_theta"], start)
+        if fresh is not None:
+            fresh.append((k, v))
+        if past is not None:
+            k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
+            vis = torch.cat([torch.ones(L, past[i][0].shape[2], dtype=torch.bool), visibility(L, block_size)], 1)
         x = x + linear(merge_heads(attention(q, k, v, vis)), w[p + "attn_out.weight"])
         h = rms_norm(x, w[p + "ff_norm.weight"], eps)
         x = x + gated_mlp(h, w[p + "ff_proj.weight"], w[p + "up_proj.weight"], w[p + "ff_out.weight"])

@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 from checkpoints import MASK_ID, write_checkpoint
-from oracle import (OracleModel, attention, confidence, gated_mlp, linear, merge_heads, oracle_logits, rms_norm,
-                    split_heads)
+from oracle import OracleModel, confidence, llada_forward, oracle_logits
 from prefix_cache import PrefixCacheConfig, PrefixCachePolicy
 
 import compiledllm
@@ -45,45 +44,16 @@ BLOCK, CAPACITY = 4, 32
 # ----------------------------------------------------------------------------- the literal loop
 
 
-def rope_at(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """NeoX rotate-half RoPE over the whole head dim of x [B, heads, L, hd] at positions pos [L]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = pos.double()[:, None] * inv_freq[None, :]
-    emb = torch.cat([ang, ang], dim=-1)
-    rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], dim=-1)
-    return x * torch.cos(emb) + rotated * torch.sin(emb)
-
-
 class CachedLLaDA(OracleModel):
-    """LLaDA in float64 (tests/oracle.llada_forward, line for line) for tokens at positions start.. that see each
-    other and, given `past`, the per-layer K/V of positions [0, start)."""
+    """tests/oracle.llada_forward (float64) for tokens at positions start.. that see each other and, given `past`,
+    the per-layer K/V of positions [0, start)."""
 
     @torch.no_grad()
     def forward(self, ids: list[int], start: int = 0, past: list | None = None):
         """logits [L, V] float64, and the K/V [1, KVH, L, hd] (after RoPE) of these tokens per layer."""
-        cfg, w = self.cfg, self.w
-        H, KVH, d = cfg["n_heads"], cfg.get("n_kv_heads", cfg["n_heads"]), cfg["d_model"]
-        hd, eps, L = d // H, cfg["rms_norm_eps"], len(ids)
-        pos = torch.arange(start, start + L)
-        x = w["model.transformer.wte.weight"][torch.tensor([ids])]
-        fresh = []
-        for i in range(cfg["n_layers"]):
-            p = f"model.transformer.blocks.{i}."
-            h = rms_norm(x, w[p + "attn_norm.weight"], eps)
-            q = split_heads(linear(h, w[p + "q_proj.weight"]), H, hd)
-            k = split_heads(linear(h, w[p + "k_proj.weight"]), KVH, hd)
-            v = split_heads(linear(h, w[p + "v_proj.weight"]), KVH, hd)
-            q, k = rope_at(q, pos, cfg["rope_theta"]), rope_at(k, pos, cfg["rope_theta"])
-            fresh.append((k, v))
-            if past is not None:
-                k, v = torch.cat([past[i][0], k], dim=2), torch.cat([past[i][1], v], dim=2)
-            vis = torch.ones(L, k.shape[2], dtype=torch.bool)  # bidirectional: every key
-            x = x + linear(merge_heads(attention(q, k, v, vis)), w[p + "attn_out.weight"])
-            h = rms_norm(x, w[p + "ff_norm.weight"], eps)
-            x = x + gated_mlp(h, w[p + "ff_proj.weight"], w[p + "up_proj.weight"], w[p + "ff_out.weight"])
-        x = rms_norm(x, w["model.transformer.ln_f.weight"], eps)
-        return linear(x, w["model.transformer.ff_out.weight"])[0], fresh
+        fresh: list = []
+        logits = llada_forward(self.cfg, self.w, torch.tensor([ids]), None, start, past, fresh)
+        return logits[0], fresh
 
 
 def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int
