@@ -3,7 +3,8 @@
 Public API (imported lazily so that `import compiledllm.<sub>` stays cheap and independent):
     load_model(path, device="cpu", dtype=torch.float32) -> Model
     run(recipe) -> list[Result]
-    LLM(model_or_recipe, ...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]
+    LLM(model_or_recipe, ...).generate(prompts, SamplingParams(max_tokens=..., stop=...)) -> list[RequestOutput]
+        (vLLM's shape: outputs[i].outputs[0] is a CompletionOutput with .text, .token_ids, .finish_reason)
     LLM(...).generate(prompts, params, stream=True) -> iterator of StreamOutput (new text per finished block)
     Recipe
 """
@@ -19,6 +20,7 @@ _LAZY = {
     "LLM": ("compiledllm.llm", "LLM"),
     "SamplingParams": ("compiledllm.llm", "SamplingParams"),
     "RequestOutput": ("compiledllm.llm", "RequestOutput"),
+    "CompletionOutput": ("compiledllm.llm", "CompletionOutput"),
     "StreamOutput": ("compiledllm.llm", "StreamOutput"),
     "UserError": ("compiledllm.errors", "UserError"),
 }

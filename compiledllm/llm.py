@@ -1,13 +1,16 @@
 """The text-level API in vLLM's shape: `LLM(model).generate(["text", ...], SamplingParams(...))`.
 
 An LLM holds one loaded model and the engine settings (policy, batch size, KV capacity, compile). Each call takes
-its SamplingParams (length and sampling), builds the run's EngineConfig from both and rebuilds the Engine only when
-that config differs from the last call's. Prompts are text (encoded with the checkpoint's tokenizer), token-id
-lists, or (chat) conversations rendered through the checkpoint's chat template; outputs come back one per prompt,
-in prompt order, whatever the batch size.
+its SamplingParams: the sampling (temperature, top_k, top_p, seed) goes into the run's EngineConfig, and the Engine
+is rebuilt only when that config differs from the last call's; the length (max_tokens) and the stop strings are
+the requests' own settings in the engine's session (RequestParams), so changing them keeps the engine. Prompts are
+text (encoded with the checkpoint's tokenizer), token-id lists, or (chat) conversations rendered through the
+checkpoint's chat template; outputs come back one per prompt, in prompt order, whatever the batch size, shaped as
+vLLM's RequestOutput (`outputs[0].text`, `.token_ids`, `.finish_reason`) beside the flat fields.
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 from collections.abc import Iterator, Sequence
@@ -17,7 +20,7 @@ from typing import Literal
 import torch
 from pydantic import ValidationError
 
-from compiledllm.engine import Engine, EngineConfig, GenerationResult
+from compiledllm.engine import Engine, EngineConfig, GenerationResult, RequestParams
 from compiledllm.errors import UserError
 from compiledllm.loader import load_model
 from compiledllm.models.base import BlockDiffusionLM
@@ -30,45 +33,109 @@ from compiledllm.stream import text_deltas
 from compiledllm.threads import set_threads
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")  # SamplingParams' fields that PolicyConfig carries
+DEFAULT_MAX_TOKENS = 256  # vLLM's default is 16
+VLLM_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}  # ours -> vLLM's words
 
 
-@dataclass(frozen=True)
+def _length(name: str, n) -> int | None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+        raise UserError(f"SamplingParams.{name}: an integer >= 1, got {n!r}")
+    return None if n is None else int(n)
+
+
+@dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How one generate() / chat() call decodes: its length and how each token is chosen (temperature 0: greedy)."""
-    max_new_tokens: int = 256
+    """How one generate() / chat() call decodes: its length, where it stops and how each token is chosen
+    (temperature 0: greedy). The names are vLLM's and the OpenAI API's:
+
+    max_tokens: new tokens per prompt at most; `max_new_tokens` is its alias (either may be given, or both if they
+        agree; either attribute reads the value; `dataclasses.replace` takes `max_tokens`). The default is 256
+        (vLLM's is 16): give max_tokens to get vLLM's lengths.
+    stop: a string or a list of them: a prompt's output ends where its text first holds one; the text is cut where
+        that string begins (finish_reason "stop", its `outputs[0].stop_reason` the string). Stored as a tuple.
+    n: completions per prompt; only 1.
+    Keyword arguments this engine does not have (presence_penalty, logprobs, ...) raise TypeError."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int | None = None     # keep the k most likely tokens (None: all)
     top_p: float | None = None   # keep the smallest most likely set with mass >= top_p (None: all)
     seed: int = 0                # with the prompt's place in the call, keys its sampling noise
+    stop: tuple[str, ...] = ()   # stop strings (given as a string, a list of strings or None)
+    n: int = 1
 
-    def __post_init__(self) -> None:
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise UserError(f"SamplingParams.max_new_tokens: an integer >= 1, got {n!r}")
+    def __init__(self, max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, stop: str | Sequence[str] | None = None, n: int = 1, *,
+                 max_new_tokens: int | None = None):
+        given, alias = _length("max_tokens", max_tokens), _length("max_new_tokens", max_new_tokens)
+        if given is not None and alias is not None and given != alias:
+            raise UserError(f"SamplingParams: max_tokens={given} and max_new_tokens={alias} differ (max_new_tokens is "
+                            "an alias of max_tokens: give one)")
+        length = given if given is not None else alias if alias is not None else DEFAULT_MAX_TOKENS
+        stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stops, (list, tuple)) or any(not isinstance(x, str) or not x for x in stops):
+            raise UserError(f"SamplingParams.stop: a non-empty string or a list of them, got {stop!r}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n != 1:
+            raise UserError(f"SamplingParams.n: only n=1 (one completion per prompt) is supported, got {n!r}")
         try:
-            Sampling(self.temperature, self.top_k, self.top_p, self.seed)  # the policies' own checks
+            Sampling(temperature, top_k, top_p, seed)  # the policies' own checks
         except ValueError as e:
             raise UserError(f"SamplingParams.{e}") from None
+        values = {"max_tokens": length, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                  "stop": tuple(stops), "n": 1}
+        for k, v in values.items():  # frozen
+            object.__setattr__(self, k, v)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """max_tokens, by this engine's older name."""
+        return self.max_tokens
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's CompletionOutput: `finish_reason` in vLLM's words ("stop": an EOS or
+    a stop string; "length": max_tokens reached), `stop_reason` the stop string that ended it (None for an EOS or
+    the length). No log-probabilities are computed (None)."""
+    index: int
+    text: str | None             # None without a tokenizer
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One prompt's result."""
+    """One prompt's result: the flat fields, and vLLM's RequestOutput names beside them (`request_id`, `outputs`:
+    one CompletionOutput, `finished`)."""
     prompt: str | None           # the text given (chat: the rendered template); None for a token-id prompt
     prompt_token_ids: list[int]
-    text: str | None             # the generated text, special tokens skipped; None without a tokenizer
-    token_ids: list[int]         # the generated ids, up to and including the first EOS
-    finish_reason: Literal["eos", "length"]
+    text: str | None             # the generated text, special tokens skipped, cut before a stop string; None
+                                 # without a tokenizer
+    token_ids: list[int]         # the generated ids, up to and including the first EOS (or the stop string's end)
+    finish_reason: Literal["eos", "length", "stop"]  # "stop": a stop string (vLLM's words: outputs[0])
     steps: int                   # forwards made for this request (prefill not counted)
     latency_s: float             # arrival (the run's start) to finish, its queueing and prefill included
     policy_stats: dict = field(default_factory=dict)  # the policy's own statistics (Policy.report)
+    request_id: str = field(default="", compare=False)  # the LLM's running count, as vLLM's ("0", "1", ...)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # vLLM's: [the completion] (n = 1)
+    finished: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.outputs:  # built from the flat fields alone
+            object.__setattr__(self, "outputs", [CompletionOutput(0, self.text, self.token_ids,
+                                                                  finish_reason=VLLM_FINISH[self.finish_reason])])
 
 
 @dataclass(frozen=True)
 class StreamOutput:
     """One piece of a prompt's output as it is decoded (LLM.generate(..., stream=True)): `text` / `token_ids` are
-    new since the prompt's last piece (text never splits a character; None without a tokenizer); the prompt's last
-    piece has `output`, its RequestOutput."""
+    new since the prompt's last piece (text never splits a character and never shows a stop string; None without
+    a tokenizer); the prompt's last piece has `output`, its RequestOutput."""
     index: int                   # the prompt's place in the call
     text: str | None
     token_ids: list[int]
@@ -130,7 +197,7 @@ class LLM:
         settings = {k: v for k, v in settings.items() if v is not None}
         # settings are checked before the model loads: a mistake costs no loading time
         base = EngineConfig.from_recipe(recipe) if recipe else EngineConfig({"name": "threshold"},
-                                                                            SamplingParams.max_new_tokens)
+                                                                            DEFAULT_MAX_TOKENS)
         self.config: EngineConfig = replace(base, **settings)
         if recipe is not None:
             p = recipe.parallel
@@ -148,6 +215,7 @@ class LLM:
         self.default_params = SamplingParams(self.config.max_new_tokens,
                                              **{k: getattr(pcfg, k) for k in SAMPLING_FIELDS})
         self._engine: Engine | None = None
+        self._request_ids = itertools.count()  # RequestOutput.request_id, as vLLM's LLM counts them
 
     @property
     def tokenizer(self):
@@ -159,16 +227,25 @@ class LLM:
         return self._engine
 
     def engine_for(self, params: SamplingParams) -> Engine:
-        """The engine for these params: the last one where the run's config is the same, else a new one."""
-        config = replace(self.config, policy=with_sampling(self.config.policy, params),
-                         max_new_tokens=params.max_new_tokens)
+        """The engine for these params: the last one where the run's config is the same, else a new one. Only the
+        sampling is in the config (the engine's max_new_tokens stays the LLM's default); a call's max_tokens and
+        stop strings go to its requests (request_params), so a change of them keeps the engine."""
+        config = replace(self.config, policy=with_sampling(self.config.policy, params))
         if self._engine is None or self._engine.config != config:
             self._engine = Engine(self.model, config)
         return self._engine
 
+    @staticmethod
+    def request_params(params: SamplingParams) -> RequestParams:
+        """What the session takes per request from these params: the length and the stop strings."""
+        return RequestParams(max_new_tokens=params.max_tokens, stop=params.stop)
+
     def generate(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None, *,
-                 progress: bool = False, stream: bool = False) -> list[RequestOutput] | Iterator[StreamOutput]:
-        """Decode each prompt (text, or a list of token ids); one output per prompt, in prompt order."""
+                 progress: bool = False, stream: bool = False, sampling_params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput] | Iterator[StreamOutput]:
+        """Decode each prompt (text, or a list of token ids); one output per prompt, in prompt order.
+        `sampling_params` / `use_tqdm`: vLLM's names of `params` / `progress` (default off here)."""
+        params, progress = _vllm_names(params, sampling_params, progress, use_tqdm)
         if isinstance(prompts, str):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
@@ -182,16 +259,18 @@ class LLM:
         ids = [self.tokenizer.encode(p) if t is not None else p for p, t in zip(prompts, texts)]
         return self._stream(texts, ids, params) if stream else self._run(texts, ids, params, progress)
 
-    def stream(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None
-               ) -> Iterator[StreamOutput]:
+    def stream(self, prompts: str | Sequence[str | Sequence[int]], params: SamplingParams | None = None, *,
+               sampling_params: SamplingParams | None = None) -> Iterator[StreamOutput]:
         """generate(prompts, params, stream=True): each prompt's new text as its blocks finish (StreamOutput, the
         last one of a prompt carrying its RequestOutput); prompts interleave as they decode."""
-        return self.generate(prompts, params, stream=True)
+        return self.generate(prompts, params, stream=True, sampling_params=sampling_params)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None, *,
-             add_generation_prompt: bool = True, progress: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, progress: bool = False, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Decode one conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each rendered through
         the checkpoint's chat template; one output per conversation, in order."""
+        params, progress = _vllm_names(params, sampling_params, progress, use_tqdm)
         shape = "a conversation (a list of {role, content} mappings) or a list of conversations"
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserError(f"messages: {shape}, got {messages!r:.60}")
@@ -212,40 +291,61 @@ class LLM:
         return self._run(texts, [self.tokenizer.encode(t) for t in texts], params, progress)
 
     def _stream(self, texts: list[str | None], ids: list, params: SamplingParams | None) -> Iterator[StreamOutput]:
-        events = self._engine_of(params).events(ids)  # the settings and prompts are checked here, not at next()
-        return self._deltas(texts, events)
+        engine, params = self._engine_of(params)  # the settings and prompts are checked here, not at next()
+        events = engine.events(ids, params=self.request_params(params))
+        return self._deltas(texts, events, params.stop, [str(next(self._request_ids)) for _ in ids])
 
-    def _deltas(self, texts: list[str | None], events) -> Iterator[StreamOutput]:
-        for d in text_deltas(events, self.tokenizer):
-            out = None if d.result is None else self._output(texts[d.request_id], d.result)
-            yield StreamOutput(d.request_id, d.text if self.tokenizer is not None else None, d.token_ids, out)
+    def _deltas(self, texts: list[str | None], events, stop: tuple[str, ...], rids: list[str]
+                ) -> Iterator[StreamOutput]:
+        sent = [0] * len(texts)  # tokens shown per prompt
+        for d in text_deltas(events, self.tokenizer, max(map(len, stop), default=1) - 1):
+            i, tokens, out = d.request_id, d.token_ids, None
+            if d.result is not None:  # a stop string's block is not streamed: its tokens come with the result
+                tokens = tokens + d.result.output_ids[sent[i] + len(tokens):]
+                out = self._output(texts[i], d.result, rids[i])
+            sent[i] += len(tokens)
+            yield StreamOutput(i, d.text if self.tokenizer is not None else None, tokens, out)
 
-    def _engine_of(self, params: SamplingParams | None) -> Engine:
+    def _engine_of(self, params: SamplingParams | None) -> tuple[Engine, SamplingParams]:
         if params is None:
             params = self.default_params
         elif not isinstance(params, SamplingParams):
             raise UserError(f"params: a compiledllm.SamplingParams, got {type(params).__name__}"
                             + (" (SamplingParams(**params))" if isinstance(params, dict) else ""))
+        if params.stop and self.tokenizer is None:
+            raise UserError(f"SamplingParams.stop: stop strings need a tokenizer; {self.name} has no tokenizer.json")
         engine = self.engine_for(params)
         if self.threads is not None:  # pinned, as --threads; else the session's thread policy (threads.py)
             set_threads(self.threads)
-        return engine
+        return engine, params
 
     def _run(self, texts: list[str | None], ids: list, params: SamplingParams | None,
              progress: bool) -> list[RequestOutput]:
-        engine = self._engine_of(params)
+        engine, params = self._engine_of(params)
+        per_request = self.request_params(params)
         if not progress:
-            results = engine.generate(ids)
+            results = engine.generate(ids, params=per_request)
         else:
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
                 task = bar.add_task("generating", total=len(ids))
-                results = engine.generate(ids, on_result=lambda _: bar.advance(task))
-        return [self._output(t, r) for t, r in zip(texts, results)]
+                results = engine.generate(ids, on_result=lambda _: bar.advance(task), params=per_request)
+        return [self._output(t, r, str(next(self._request_ids))) for t, r in zip(texts, results)]
 
-    def _output(self, text: str | None, res: GenerationResult) -> RequestOutput:
-        eos = bool(res.output_ids) and res.output_ids[-1] == self.model.eos_token_id
+    def _output(self, text: str | None, res: GenerationResult, request_id: str) -> RequestOutput:
+        reason = res.finish_reason
+        completion = CompletionOutput(0, res.text, res.output_ids, finish_reason=VLLM_FINISH[reason],
+                                      stop_reason=res.stop_reason)
         return RequestOutput(prompt=text, prompt_token_ids=res.prompt_ids, text=res.text, token_ids=res.output_ids,
-                             finish_reason="eos" if eos else "length", steps=res.steps, latency_s=res.latency_s,
-                             policy_stats=res.extra)
+                             finish_reason=reason, steps=res.steps, latency_s=res.latency_s, policy_stats=res.extra,
+                             request_id=request_id, outputs=[completion])
+
+
+def _vllm_names(params, sampling_params, progress: bool, use_tqdm: bool) -> tuple[SamplingParams | None, bool]:
+    """generate() / chat()'s arguments under vLLM's names (sampling_params, use_tqdm) as ours."""
+    if sampling_params is not None:
+        if params is not None and params is not sampling_params:
+            raise UserError("give params or sampling_params (vLLM's name for it), not both")
+        params = sampling_params
+    return params, bool(progress or use_tqdm)

@@ -17,32 +17,35 @@ CONTEXT_TOKENS = 5  # tokens decoded before the new ones: enough for a tokenizer
 
 
 class TextStream:
-    """The text deltas of one request's output; `push(tokens)` -> the new text (possibly '')."""
+    """The text deltas of one request's output; `push(tokens)` -> the new text (possibly ''). hold: characters kept
+    back at the end (a request with stop strings: the longest one's length - 1, so that no text a stop string cut
+    away is ever sent)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, hold: int = 0):
+        self.tokenizer, self.hold = tokenizer, hold
         self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] decode to text already sent
+        self.prefix = 0  # ids[prefix:read] decode to the end of `decoded`
         self.read = 0
-        self.text = ""   # everything sent so far
+        self.decoded = ""  # the text decoded so far
+        self.text = ""     # the part of it sent
 
     def push(self, tokens: Sequence[int]) -> str:
         self.ids += list(tokens)
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix : self.read])
         now = decode(self.ids[self.prefix :])
-        if now.endswith("\ufffd") or len(now) <= len(before) or not now.startswith(before):
-            return ""  # a character not complete yet (or nothing new): wait for the next tokens
-        delta = now[len(before):]
-        self.prefix, self.read = max(0, len(self.ids) - CONTEXT_TOKENS), len(self.ids)
+        if not now.endswith("\ufffd") and len(now) > len(before) and now.startswith(before):
+            # else a character is not complete yet (or nothing is new): wait for the next tokens
+            self.decoded += now[len(before):]
+            self.prefix, self.read = max(0, len(self.ids) - CONTEXT_TOKENS), len(self.ids)
+        delta = self.decoded[len(self.text) : max(len(self.text), len(self.decoded) - self.hold)]
         self.text += delta
         return delta
 
     def finish(self, final: str) -> str:
         """The rest of the text once the request ended, given its final text (a stop string may cut it): what
-        `push` held back, or '' (a stop string's cut can end before text already sent)."""
-        full = final
-        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        `push` held back, or '' (without `hold`, a stop string's cut can end before text already sent)."""
+        rest = final[len(self.text):] if final.startswith(self.text) else ""
         self.text += rest
         return rest
 
@@ -61,12 +64,12 @@ class StreamDelta:
         return self.result is not None
 
 
-def text_deltas(events: Iterator[Event], tokenizer) -> Iterator[StreamDelta]:
+def text_deltas(events: Iterator[Event], tokenizer, hold: int = 0) -> Iterator[StreamDelta]:
     """Session events -> text deltas per request (a request's FinishEvent gives its last delta, with the result);
-    without a tokenizer the deltas carry tokens only (text '')."""
+    without a tokenizer the deltas carry tokens only (text ''). hold: TextStream's (stop strings' length - 1)."""
     streams: dict[int, TextStream] = {}
     for ev in events:
-        s = streams.setdefault(ev.request_id, TextStream(tokenizer))
+        s = streams.setdefault(ev.request_id, TextStream(tokenizer, hold))
         if isinstance(ev, BlockEvent):
             text = s.push(ev.tokens) if tokenizer is not None else ""
             if text or ev.tokens:

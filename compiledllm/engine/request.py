@@ -25,6 +25,7 @@ class GenerationResult:
     arrival_s: float = 0.0      # when it arrived, seconds after the session's start
     first_block_s: float = 0.0  # arrival to its first retired block
     finish_reason: FinishReason = "length"
+    stop_reason: str | None = None   # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class RequestParams:
     seed: int | None = None                # sampling noise key, with the request id (policies/sampling.py)
     stop: tuple[str, ...] = ()             # finish once the text holds one of these (checked per retired block)
     policy: Mapping[str, float] = field(default_factory=dict)  # overrides of the policy's row_params
+    noise_index: int | None = None         # keys its noise with seed in place of the request id (a server: so
+                                           # that a request's seed reproduces it whatever id the session gave it)
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -44,6 +47,9 @@ class RequestParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < SEED_LIMIT):
             raise UserError(f"seed: an integer in [0, 2**32), got {s!r}")
+        k = self.noise_index
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0):
+            raise UserError(f"noise_index: an integer >= 0, got {k!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(x, str) or not x for x in stop):
             raise UserError(f"stop: non-empty strings, got {self.stop!r}")

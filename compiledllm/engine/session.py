@@ -108,9 +108,17 @@ class EngineSession:
             arrival: float | None = None) -> None:
         """Queue a request (token ids); it joins a free slot at the next step. arrival: its arrival time on the
         session clock (default now), from which its latency is counted."""
-        eng, params = self.engine, params or RequestParams()
         if request_id in self._live:
             raise UserError(f"request {request_id}: already in this session")
+        req = self.prepare(request_id, prompt, params, arrival)
+        self._queue.append(req)
+        self._live[request_id] = req
+
+    def prepare(self, request_id: int, prompt: list[int], params: RequestParams | None = None,
+                arrival: float | None = None) -> _Request:
+        """The checks of `add` (prompt, length against the KV capacity, per-request settings) without queueing
+        anything: a server's handler threads call it to refuse a request before it reaches the engine's thread."""
+        eng, params = self.engine, params or RequestParams()
         prompt = list(eng.check_prompt(request_id, prompt))
         max_new = params.max_new_tokens or eng.max_new_tokens
         need = working_length(len(prompt), max_new, self.block, self.policy.first_block(len(prompt)))
@@ -125,10 +133,9 @@ class EngineSession:
         if params.stop and self.model.tokenizer is None:
             raise UserError(f"request {request_id}: stop strings need a tokenizer; this model has none")
         seed = self.policy.sampling.seed if params.seed is None else params.seed
-        req = _Request(request_id, prompt, max_new, params.stop, request_key(seed, request_id),
-                       row | params.policy, self.now() if arrival is None else float(arrival))
-        self._queue.append(req)
-        self._live[request_id] = req
+        index = request_id if params.noise_index is None else params.noise_index
+        return _Request(request_id, prompt, max_new, params.stop, request_key(seed, index), row | params.policy,
+                        self.now() if arrival is None else float(arrival))
 
     def cancel(self, request_id: int) -> bool:
         """End a request at the next step (its FinishEvent says "cancelled"); False if it is not in the session."""
@@ -303,17 +310,17 @@ class EngineSession:
         events.append(BlockEvent(req.id, new))
         return None
 
-    def _stop_at(self, req: _Request, out: list[int]) -> tuple[int, int] | None:
-        """(tokens, characters) of the output up to its first stop string (tokens: the shortest prefix whose text
-        holds it), or None."""
+    def _stop_at(self, req: _Request, out: list[int]) -> tuple[int, int, str] | None:
+        """(tokens, characters, the stop string) of the output up to its first stop string, or None: tokens, the
+        shortest prefix whose text holds a stop string; characters, where the earliest one in that text begins."""
         decode = self.model.tokenizer.decode
-        text = decode(out)
-        hits = [i for i in (text.find(x) for x in req.stop) if i >= 0]
-        if not hits:
+        if not any(x in decode(out) for x in req.stop):
             return None
         holds = lambda n: any(x in decode(out[:n]) for x in req.stop)  # noqa: E731
         n = bisect.bisect_left(range(len(out) + 1), True, key=holds)
-        return n, min(hits)
+        text = decode(out[:n])
+        at, stop = min((text.find(x), x) for x in req.stop if x in text)
+        return n, at, stop
 
     def _finish(self, req: _Request, reason: FinishReason | None) -> GenerationResult:
         """The request's result; its slot (if any) is free from now on."""
@@ -327,13 +334,13 @@ class EngineSession:
             steps, extra = int(st.steps[s]), self.policy.report(st, s)
             blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
             self._owner[s] = None
-        text = None
+        text = stop = None
         if reason is None or reason == "stop":
             if self.eos in out:
                 out, reason = out[: out.index(self.eos) + 1], "eos"
             cut = self._stop_at(req, out) if req.stop else None
             if cut is not None:
-                out, reason = out[: cut[0]], "stop"
+                out, reason, stop = out[: cut[0]], "stop", cut[2]
                 text = tok.decode(out)[: cut[1]]
             reason = reason or "length"
         if text is None and tok is not None:
@@ -343,7 +350,7 @@ class EngineSession:
         first = req.first_block if req.first_block is not None else now
         return GenerationResult(index=req.id, prompt_ids=list(req.prompt), output_ids=out, steps=steps, blocks=blocks,
                                 latency_s=now - req.arrival, text=text, extra=extra, arrival_s=req.arrival,
-                                first_block_s=first - req.arrival, finish_reason=reason)
+                                first_block_s=first - req.arrival, finish_reason=reason, stop_reason=stop)
 
     def stats(self) -> RunStats:
         return self._counts.stats(self.now(), self.startup_s)

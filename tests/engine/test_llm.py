@@ -71,7 +71,9 @@ def test_ids_and_text_mix_and_the_engine_is_kept(llm):
     assert llm.generate(TEXTS[0], SamplingParams(max_new_tokens=8))[0].token_ids == text_out.token_ids
     assert llm.engine is engine  # same settings: same engine
     short = llm.generate(TEXTS[0], SamplingParams(max_new_tokens=2))[0]
-    assert llm.engine is not engine and llm.engine.max_new_tokens == 2 and len(short.token_ids) <= 2
+    assert llm.engine is engine and len(short.token_ids) <= 2  # the length is the requests' own: same engine
+    llm.generate(TEXTS[0], SamplingParams(max_new_tokens=2, seed=1))
+    assert llm.engine is not engine and llm.engine.config.policy.seed == 1  # other sampling: another engine
 
 
 def test_sampling_reaches_the_policy(llm):

@@ -28,6 +28,21 @@ def test_a_character_split_over_tokens_is_held_back_until_complete(tiny):
     assert deltas.count("") >= 3  # the byte-level tokens of ✓ and the CJK characters arrive one byte at a time
 
 
+def test_hold_keeps_back_what_a_stop_string_could_cut(tiny):
+    tok = tiny.tokenizer
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tok.encode(text)
+    s = TextStream(tok, hold=4)
+    for n in range(len(ids)):
+        s.push(ids[n : n + 1])
+        decoded = tok.decode(ids[: n + 1])
+        assert decoded.startswith(s.text) and len(decoded) - len(s.text) >= min(4, len(decoded))  # 4 kept back
+        if " + b" in decoded:  # a stop string that arrived over several tokens: the session ends here
+            break
+    cut = text[: text.index(" + b")]
+    assert cut.startswith(s.text) and s.finish(cut) == cut[len(s.text):]
+
+
 def test_block_deltas_add_up_to_each_result(tiny):
     prompts = [tiny.tokenizer.encode(p) for p in ("def fibonacci(n):\n    if n", "class Stack:\n    def push(")]
     eng = Engine(tiny, EngineConfig(POLICY, max_new_tokens=96, batch_size=2))
