@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,6 +13,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from compiledllm.builtin_names import BUILTIN_NAMES as BUILTINS
 from compiledllm.errors import UserError
+# every input file is read (and its YAML / JSON parsed) through compiledllm.inputs; the CLI and evaluate.py import
+# these names from here
+from compiledllm.inputs import MAX_RECIPE_BYTES, YAML12_FLOAT, parse_json, parse_yaml, read_text
 
 # Nothing here imports torch: the policies (and the device check of anything but "cpu") are imported when a recipe
 # is validated, so that a missing file, a bad key or a wrong path fails before torch is imported (issue 32 item 4).
@@ -33,71 +35,6 @@ def policy_config(params):
     from compiledllm.policies import policy_config as make
 
     return make(params)
-
-
-MAX_RECIPE_BYTES = 4 << 20  # a recipe is a few KiB: anything this large is the wrong file
-
-
-def read_text(path: Path, what: str, limit: int | None = None) -> str:
-    """The UTF-8 text of an input file; a missing, unreadable, binary or oversized file is a UserError naming it."""
-    if not path.exists():
-        raise UserError(f"{path}: {what} not found")
-    if path.is_dir():
-        raise UserError(f"{path}: {what} is a directory, not a file")
-    try:
-        with path.open("rb") as f:
-            data = f.read() if limit is None else f.read(limit + 1)  # bounded: a device file never ends
-    except OSError as e:
-        raise UserError(f"{path}: cannot read {what} ({e.strerror})") from None
-    if limit is not None and len(data) > limit:
-        raise UserError(f"{path}: {what} is larger than {limit >> 20} MiB; is it the right file?")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(f"{path}:{line}: {what} is not UTF-8 text (byte {data[e.start]:#04x})") from None
-    if "\0" in text:
-        raise UserError(f"{path}: {what} is a binary file (it holds NUL bytes), not text")
-    return text
-
-
-class _DuplicateKey(yaml.constructor.ConstructorError):
-    pass
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader without YAML 1.1's guesses: a repeated key is an error, only true/false are booleans (yes, no,
-    on, off stay strings, which a bool field then refuses), and 1e-3 is a float as in YAML 1.2."""
-
-    yaml_implicit_resolvers = {first: [r for r in rs if r[0] != "tag:yaml.org,2002:bool"]
-                               for first, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise _DuplicateKey(None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """YAML text -> data; a syntax error or a duplicate key is a UserError naming `where` and the line."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        what = problem if isinstance(e, _DuplicateKey) else f"malformed YAML ({problem})"
-        raise UserError(f"{where}: {what}" + (f" (line {mark.line + 1})" if mark is not None else "")) from None
 
 
 def _device(value: str) -> str:
@@ -245,10 +182,9 @@ class Recipe(_Strict):
             for n, line in enumerate(read_text(file, "prompts_file").split("\n"), 1):  # JSON strings may hold U+2028
                 if not line.strip():
                     continue
+                raw = parse_json(line, f"{file}:{n}")  # depth and integer length bounded
                 try:
-                    prompts.append(PromptSpec.model_validate(json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{file}:{n}: malformed JSON ({e.msg})") from None
+                    prompts.append(PromptSpec.model_validate(raw))
                 except ValidationError as e:
                     raise UserError(f"{file}:{n}: {first_error(e)}") from None
             if len(prompts) == given:
@@ -342,7 +278,7 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected key.path=value")
-        out.append((key.strip(), parse_yaml(raw, f"--set {item}")))
+        out.append((key.strip(), parse_yaml(raw, f"--set {_short(item)}")))  # a 5000-digit value: not echoed
     return out
 
 
@@ -386,11 +322,10 @@ __all__ = ["Recipe", "ModelSpec", "GenerationSpec", "PromptSpec", "load_recipe",
 
 
 class _Dumper(yaml.SafeDumper):
-    """Quotes every string that _Loader would read as something else (1e-3 is a float there, not in YAML 1.1)."""
+    """Quotes every string that parse_yaml would read as something else (1e-3 is a float there, not in YAML 1.1)."""
 
 
-_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789"))
 
 
 def resolved_policy(params: dict) -> dict:

@@ -3,6 +3,7 @@ traceback, and nothing is guessed. Most cases fail while the recipe is validated
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -131,14 +132,14 @@ def test_a_recipe_that_is_not_a_text_file(tmp_path, no_model, content, needles):
 
 def test_an_unreadable_recipe(tmp_path, no_model, monkeypatch):
     path = recipe(tmp_path)
-    real_open = Path.open
+    real_open = os.open
 
-    def guarded(self, *args, **kw):  # chmod 000 does not stop root, so refuse the read here
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_open(self, *args, **kw)
+    def guarded(file, *args, **kw):  # chmod 000 does not stop root, so refuse the read (compiledllm.inputs) here
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kw)
 
-    monkeypatch.setattr(Path, "open", guarded)
+    monkeypatch.setattr(os, "open", guarded)
     assert_user_error(cli("run", path), "r.yaml", "cannot read", "Permission denied")
 
 
