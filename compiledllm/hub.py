@@ -89,3 +89,25 @@ def snapshot(repo_id: str, revision: str | None = None) -> Path:
     except Exception as e:  # the HTTP client's own transport errors mid-download, a full disk, a cache not writable
         raise UserError(f"{at}: downloading from the Hugging Face Hub failed ({type(e).__name__}: "
                         f"{brief(e, 200)})") from None
+
+
+def _repo_blob(real: Path, root: Path) -> bool:
+    """Whether the resolved path `real` is ROOT/models--ORG--NAME/blobs/FILE, huggingface_hub's layout."""
+    repo = real.parent.parent
+    return real.parent.name == "blobs" and repo.name.startswith("models--") and repo.parent == root
+
+
+def is_cache_blob(real: Path, checkpoint: Path) -> bool:
+    """Whether `real`, a resolved weight file that lies outside `checkpoint`, is a blob of a Hugging Face cache
+    that the checkpoint's links may point into: the cache huggingface_hub uses (constants.HF_HUB_CACHE, where its
+    snapshots and `--local-dir` downloads link), or the cache `checkpoint` is itself a snapshot of (ROOT/
+    models--ORG--NAME/snapshots/REV, e.g. a `--cache-dir` download), and then only that repository's blobs. The
+    paths are compared resolved, so a folder merely named like a cache elsewhere is no exception."""
+    snap = checkpoint.resolve()
+    if snap.parent.name == "snapshots" and real.parent == snap.parent.parent / "blobs":
+        return _repo_blob(real, snap.parent.parent.parent)
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # no huggingface_hub: no cache of its own to trust
+        return False
+    return _repo_blob(real, Path(constants.HF_HUB_CACHE).resolve())

@@ -3,9 +3,11 @@ Hugging Face model name (ORG/NAME) is resolved to its snapshot in huggingface_hu
 
 A checkpoint is hostile input: every JSON file is read with a size limit (models/config.py JSON_LIMIT, tokenizer.py
 TOKENIZER_LIMIT), weight files must be regular files that lie inside the checkpoint directory once links are
-resolved (or in a Hugging Face hub cache's blobs/, which cache snapshots link to), config values are checked where
-they are parsed, the tensors' names and shapes are checked against the config on the meta device before any memory
-is allocated, and every loaded tensor must be floating point and finite (allow_nonfinite=True: a warning instead).
+resolved (or are blobs of the Hugging Face cache in use, or of the cache the checkpoint is a snapshot of:
+hub.is_cache_blob), config values are checked where they are parsed (sizes within models/config.py LIMITS), the
+tensors' names and shapes are checked against the config on the meta device and the weights' bytes against the
+device's free memory before any memory is allocated, and every loaded tensor must be floating point and finite
+(allow_nonfinite=True: a warning instead).
 Exported engines run native code, so loading one is an explicit decision (trust_exported=True). Every problem is a
 one-line UserError naming the file, key or value."""
 from __future__ import annotations
@@ -90,12 +92,13 @@ def parse_model_config(hf_config: dict, source: str) -> ModelConfig:
 
 
 def inside_checkpoint(path: Path, file: Path) -> bool:
-    """Whether `file`, links resolved, lies in the checkpoint directory `path`, or in a Hugging Face hub cache's
-    blobs/ folder (`models--org--name/blobs/`), which the hub cache's snapshots and older `--local-dir` downloads
-    link their files to."""
+    """Whether `file`, links resolved, lies in the checkpoint directory `path`, or is a blob of the Hugging Face
+    cache in use or of the cache `path` is a snapshot of (hub.is_cache_blob: the cache's snapshots and older
+    `--local-dir` downloads link their files there)."""
+    from compiledllm import hub
+
     real = file.resolve()
-    cache_blob = real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
-    return real.is_relative_to(path.resolve()) or cache_blob
+    return real.is_relative_to(path.resolve()) or hub.is_cache_blob(real, path)
 
 
 def weight_file(path: Path, name: str, source: Path) -> Path:
@@ -306,19 +309,25 @@ def load_weight_slices(model: BlockDiffusionLM, files: list[Path], regions: dict
     return read
 
 
-def materialize(config: ModelConfig, device, dtype: torch.dtype) -> BlockDiffusionLM:
+def materialize(config: ModelConfig, device, dtype: torch.dtype, source: str = "the model") -> BlockDiffusionLM:
     """Build the model without initialising weights (they are loaded or initialised next)."""
-    return place(skeleton(config, dtype), device, dtype)
+    return place(skeleton(config, dtype, source), device, dtype, source)
 
 
-def place(model: BlockDiffusionLM, device, dtype: torch.dtype) -> BlockDiffusionLM:
-    """A meta-device model's memory on `device`, its buffers recomputed, ready for its weights."""
+def place(model: BlockDiffusionLM, device, dtype: torch.dtype, source: str = "the model") -> BlockDiffusionLM:
+    """A meta-device model's memory on `device`, its buffers recomputed, ready for its weights; the bytes it needs
+    are held against the device's free memory first (`source` names the config in the error)."""
+    from compiledllm.engine.memory import check_weights_fit  # lazily: the engine package imports the policies
+
+    n = sum(p.numel() for p in model.parameters())
+    size = f"{n:.3g} parameters as {str(dtype).removeprefix('torch.')}"
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    check_weights_fit(sum(t.numel() * t.element_size() for t in tensors), device, f"{source}: {size}")
     try:
         model = model.to_empty(device=device)
     except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's refusal
-        n = sum(p.numel() for p in model.parameters())
-        raise UserError(f"the model ({n:.3g} parameters as {str(dtype).removeprefix('torch.')}) does not fit in the "
-                        f"memory of {device}: {one_line(e, 120)}") from None
+        raise UserError(f"{source}: the model ({size}) does not fit in the memory of {device}: "
+                        f"{one_line(e, 120)}") from None
     model.reset_buffers()
     return model.eval().requires_grad_(False)
 
@@ -376,17 +385,19 @@ def build_random(config: str | dict, device="cpu", dtype=torch.float32, seed: in
     else:
         raise UserError(f"model.config: expected a preset name or a config.json mapping, got {show(config)}")
     config = resolve_special_ids(parse_model_config(config, source), None, mask_token_id, eos_token_id, source)
-    model = materialize(config, device, dtype)
+    model = materialize(config, device, dtype, source)
     init_random(model, seed, routing=routing)
     return model
 
 
-def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | None = None,
+def load_model(path, device="cpu", dtype=None, mask_token_id: int | None = None,
                eos_token_id: int | None = None, *, allow_nonfinite: bool = False,
                trust_exported: bool = False, revision: str | None = None,
                mesh: Mesh | None = None) -> BlockDiffusionLM:
     """Load a Hugging Face-layout checkpoint directory (or a built-in model name, an exported engine, or a Hugging
-    Face model name ORG/NAME through huggingface_hub's cache: compiledllm/hub.py) onto `device`. allow_nonfinite:
+    Face model name ORG/NAME through huggingface_hub's cache: compiledllm/hub.py) onto `device`, as `dtype` (None:
+    float32, or an exported engine's own; an exported engine runs only the dtype it was exported as, and takes
+    mask_token_id / eos_token_id overrides, which the engine, not its packages, uses). allow_nonfinite:
     load NaN / inf weights with a warning instead of refusing them. trust_exported: load an exported engine, whose
     packages are native code that runs in this process. revision: the Hub model's branch, tag or commit. mesh:
     this rank's share of a model split over several ranks (parallel/): a checkpoint's share is read alone
@@ -397,7 +408,8 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
 
     split = mesh is not None and mesh.world > 1
 
-    path, device, dtype = parse_path(path), parse_device(device), parse_dtype(dtype)
+    path, device = parse_path(path), parse_device(device)
+    asked, dtype = dtype, torch.float32 if dtype is None else parse_dtype(dtype)
     revision = hub.parse_revision(revision)
     if revision is not None and (builtin.is_builtin(path) or Path(path).exists()):  # a silent ignore would mislead
         what = "a built-in model" if builtin.is_builtin(path) else "a local path"
@@ -408,7 +420,9 @@ def load_model(path, device="cpu", dtype=torch.float32, mask_token_id: int | Non
             raise UserError(f"{path}: an exported engine runs native code (its .pt2 packages are shared libraries); "
                             "load it only from a source you trust: trust_exported=True (recipe: model.trust_exported:"
                             " true, CLI: --trust-exported)")
-        model = load_exported(path, device)
+        model = load_exported(path, device, asked)
+        if mask_token_id is not None or eos_token_id is not None:  # checked as a checkpoint's: in vocab, distinct
+            model.config = resolve_special_ids(model.config, None, mask_token_id, eos_token_id, path)
         return shard_model(model, mesh) if split else model  # which refuses it
     if builtin.is_builtin(path):
         if split and "path" in builtin.BUILTINS[path]:  # a shipped checkpoint: read per slice like any other
@@ -447,7 +461,7 @@ def load_checkpoint(path: Path, device="cpu", dtype=torch.float32, mask_token_id
     config = resolve_special_ids(config, tokenizer, mask_token_id, eos_token_id, str(path))
     check_tensors(config, files, str(path / "config.json"))
     if mesh is None or mesh.world == 1:
-        model = materialize(config, device, dtype)
+        model = materialize(config, device, dtype, str(path / "config.json"))
         read = load_weights(model, files, allow_nonfinite)
     else:
         model, read = _load_share(config, files, mesh, device, dtype, allow_nonfinite)
@@ -463,5 +477,6 @@ def _load_share(config: ModelConfig, files: list[Path], mesh: Mesh, device, dtyp
     shapes = {n: tuple(t.shape) for n, t in itertools.chain(full.named_parameters(), full.named_buffers())}
     regions = {ckpt: (w, lead, start, held(w, shapes[w], config, mesh))
                for ckpt, (w, lead, start) in view_regions(full).items()}
-    model = place(shard_model(full, mesh), device, dtype)  # cut on the meta device: the rank's shapes only
+    source = str(files[0].parent / "config.json")
+    model = place(shard_model(full, mesh), device, dtype, source)  # cut on the meta device: the rank's shapes only
     return model, load_weight_slices(model, files, regions, allow_nonfinite)

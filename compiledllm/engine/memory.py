@@ -47,3 +47,13 @@ def check_fits(tiers: list[Tier], slots: int, capacity: int) -> None:
             raise UserError(f"batch_size {slots} at {capacity} positions needs about {total / 2**30:.1f} GiB on "
                             f"{device} ({parts}); it has {free / 2**30:.1f} GiB free (lower batch_size or "
                             "max_new_tokens)")
+
+
+def check_weights_fit(nbytes: int, device: torch.device, what: str) -> None:
+    """A model's weights (`nbytes`, counted on the meta device; `what` names them, a plural) must fit in `device`'s
+    free memory (with 10 % to spare) before any of them is allocated: on the CPU an oversized model would otherwise
+    be allocated lazily and the process killed while its weights are written, with no message."""
+    free = available_bytes(device)
+    if free is not None and nbytes > 0.9 * free:
+        raise UserError(f"{what} need about {nbytes / 2**30:.3g} GiB on {device}, which has {free / 2**30:.1f} GiB "
+                        "free")

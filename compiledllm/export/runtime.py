@@ -255,11 +255,18 @@ def with_weights(runner, package: Path, weights: dict[str, torch.Tensor]):
     return runner
 
 
-def load_exported(path, device: str | torch.device | None = None) -> ExportedModel:
-    """The exported engine in `path` (on `device`, which must be the one it was exported for). This loads and runs
-    native code: the caller has decided to trust the export (loader.load_model asks for trust_exported=True)."""
+def load_exported(path, device: str | torch.device | None = None,
+                  dtype: str | torch.dtype | None = None) -> ExportedModel:
+    """The exported engine in `path` (on `device`, as `dtype`: each must be the one it was exported for, as its
+    packages and weights are compiled for them; None: the export's). This loads and runs native code: the caller
+    has decided to trust the export (loader.load_model asks for trust_exported=True)."""
     path = Path(path)
     meta = read_meta(path)
     if device is not None and not same_device(parse_device(device), meta.device):
         raise UserError(f"{path}: exported for {meta.device}, the recipe asks for {device}")
+    if dtype is not None and parse_dtype(dtype) != meta.dtype:
+        name = str(meta.dtype).removeprefix("torch.")
+        raise UserError(f"model.dtype: {str(parse_dtype(dtype)).removeprefix('torch.')}, but the exported engine "
+                        f"{path} was exported as {name}, which it cannot change (set model.dtype: {name}, or export "
+                        "again)")
     return ExportedModel(path, meta)

@@ -1,7 +1,7 @@
 """The architecture-independent model configuration every model file builds from, and how its values are checked.
 
-Contract: a ModelConfig / MoEConfig that exists is consistent (types, positive sizes, head and rotary shapes, MoE
-routing groups); anything else raises InvalidConfig. Architecture files read config.json through `get_int` /
+Contract: a ModelConfig / MoEConfig that exists is consistent (types, positive sizes within LIMITS, head and rotary
+shapes, MoE routing groups); anything else raises InvalidConfig. Architecture files read config.json through `get_int` /
 `get_float` / `get_bool`, which check each key's type before any arithmetic, and name in `KEYS` how config.json
 spells each field, so that the loader's one-line error names the checkpoint's own key. `read_json` is the bounded
 read every JSON file of a checkpoint or export goes through."""
@@ -21,6 +21,15 @@ from compiledllm.errors import UserError
 JSON_LIMIT = 16 << 20  # bytes: config.json, tokenizer_config.json, the shard index, the export metadata
 REQUIRED = object()     # get_int's default: the key must be present
 
+# The largest size each field may have: generous (several times any published model's), so that a hostile or
+# mistyped config.json (10^9 layers, 10^15 positions) is a one-line error before anything is built from it; what
+# fits these bounds is then held against the device's memory (loader.place, engine/memory.py).
+LIMITS = {
+    "num_layers": 1024, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_heads": 1024,
+    "num_kv_heads": 1024, "head_dim": 1024, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 24,
+    "default_block_size": 1 << 24, "num_experts": 1 << 12, "expert_dim": 1 << 18, "num_shared": 1 << 12,
+}
+
 
 class InvalidConfig(ValueError):
     """A configuration value of the wrong type, or an impossible one. The message names fields as `{field}`;
@@ -39,20 +48,32 @@ def show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_int(name: str, value, minimum: int = 1) -> int:
+def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):  # bool is an int subclass: `true` is no size
         raise InvalidConfig(f"{{{name}}} must be an integer, got {show(value)}")
     if value < minimum:
-        raise InvalidConfig(f"{{{name}}} must be >= {minimum}, got {value}")
+        raise InvalidConfig(f"{{{name}}} must be >= {minimum}, got {show(value)}")
+    if maximum is not None and value > maximum:
+        raise InvalidConfig(f"{{{name}}} must be <= {maximum} (compiledllm's limit, above any real model's), got "
+                            f"{show(value)}")
     return value
+
+
+def check_size(name: str, value, minimum: int = 1) -> int:
+    """A size field of ModelConfig / MoEConfig, within its LIMITS."""
+    return check_int(name, value, minimum, LIMITS.get(name))
 
 
 def check_float(name: str, value, positive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidConfig(f"{{{name}}} must be a number, got {show(value)}")
-    if not math.isfinite(value) or (positive and value <= 0):
+    try:
+        number = float(value)  # an integer past float's range is no finite number either
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or (positive and number <= 0):
         raise InvalidConfig(f"{{{name}}} must be a finite number{' > 0' if positive else ''}, got {show(value)}")
-    return float(value)
+    return number
 
 
 def check_bool(name: str, value) -> bool:
@@ -105,10 +126,10 @@ class MoEConfig:
     first_dense_layers: int = 0  # layers [0, first_dense_layers) use the dense MLP
 
     def __post_init__(self) -> None:
-        E = check_int("num_experts", self.num_experts)
-        k = check_int("top_k", self.top_k)
-        check_int("expert_dim", self.expert_dim)
-        check_int("num_shared", self.num_shared, 0)
+        E = check_size("num_experts", self.num_experts)
+        k = check_int("top_k", self.top_k)  # <= the experts the groups keep (below)
+        check_size("expert_dim", self.expert_dim)
+        check_size("num_shared", self.num_shared, 0)
         groups, kept = check_int("n_group", self.n_group), check_int("topk_group", self.topk_group)
         check_float("routed_scaling", self.routed_scaling)
         check_bool("norm_topk_prob", self.norm_topk_prob)
@@ -150,10 +171,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str):
             raise InvalidConfig(f"{{architecture}} must be a string, got {show(self.architecture)}")
-        check_int("vocab_size", self.vocab_size, 2)  # MASK and EOS are two different tokens
+        check_size("vocab_size", self.vocab_size, 2)  # MASK and EOS are two different tokens
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "max_position_embeddings", "default_block_size"):
-            check_int(name, getattr(self, name))
+            check_size(name, getattr(self, name))
         check_float("rope_theta", self.rope_theta)
         check_float("rms_eps", self.rms_eps)
         for name in ("qk_norm", "tie_word_embeddings", "bidirectional"):
@@ -199,6 +220,7 @@ def hf_decoder_fields(c: dict, *, rope_theta: float, block_size: int) -> dict:
             raise InvalidConfig(f"{{hidden_size}}={hidden} is not a multiple of {{num_attention_heads}}={heads} "
                                 "(and config.json gives no head_dim)")
         hd = hidden // heads
+    check_size("head_dim", hd)  # bounded now: the architecture files compute with it (a float product overflows)
     return dict(
         vocab_size=get_int(c, "vocab_size"), hidden_size=hidden, num_layers=get_int(c, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=get_int(c, "num_key_value_heads", heads), head_dim=hd,
@@ -209,9 +231,12 @@ def hf_decoder_fields(c: dict, *, rope_theta: float, block_size: int) -> dict:
     )
 
 
-# how the Hugging Face-style configs spell ModelConfig's fields (InvalidConfig.describe)
+# how the Hugging Face-style configs spell ModelConfig's fields (InvalidConfig.describe), and MoEConfig's where
+# they have them (LLaDA2's, Qwen-MoE's spellings)
 HF_DECODER_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                   "num_kv_heads": "num_key_value_heads", "rms_eps": "rms_norm_eps", "default_block_size": "block_size"}
+                   "num_kv_heads": "num_key_value_heads", "rms_eps": "rms_norm_eps", "default_block_size": "block_size",
+                   "expert_dim": "moe_intermediate_size", "num_shared": "num_shared_experts",
+                   "routed_scaling": "routed_scaling_factor"}
 
 
 def _file_kind(mode: int) -> str:

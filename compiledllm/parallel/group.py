@@ -10,6 +10,7 @@ replicas are independent engines, each decoding its share of the requests (data.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,32 @@ def _env_int(name: str) -> int | None:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+
+
+def _check_env(sizes: str, need: int, names: tuple[str, ...]) -> None:
+    """The torchrun environment that torch.distributed's env:// start reads (`names` of TORCHRUN_ENV), checked
+    before it starts: a variable it lacks would be a traceback from torch, not a line saying what to set."""
+    missing = [n for n in names if not os.environ.get(n)]
+    start = f"start them with torchrun --nproc-per-node {need}"
+    if "RANK" in missing and "WORLD_SIZE" in missing:  # not under torchrun at all
+        raise UserError(f"parallel: {sizes} needs {need} processes; {start} (RANK / WORLD_SIZE are unset)")
+    if missing:
+        raise UserError(f"parallel: {sizes}: the environment variable{'s' * (len(missing) > 1)} "
+                        f"{', '.join(missing)} {'are' if len(missing) > 1 else 'is'} unset (torch.distributed's "
+                        f"env:// start needs {', '.join(names)}; {start}, which sets them)")
+    for n in names[:-2]:  # the ranks and the world size
+        _env_int(n)
+    port = _env_int("MASTER_PORT")
+    if not 0 < port < 65536:
+        raise UserError(f"environment variable MASTER_PORT={port} is not a TCP port (1-65535)")
+    addr = os.environ["MASTER_ADDR"]
+    try:  # torch would retry an address that does not resolve until its timeout (30 minutes)
+        socket.getaddrinfo(addr, port)
+    except (OSError, UnicodeError) as e:
+        raise UserError(f"environment variable MASTER_ADDR={addr!r} does not resolve ({e})") from None
+
+
 def _own_group(blocks: list[list[int]], me: int) -> dist.ProcessGroup:
     """The group of the block (blocks partition the world) holding rank `me`; one block is the world itself.
     new_group is collective: every rank creates every group, in the same order, and keeps its own."""
@@ -99,7 +126,8 @@ def _own_group(blocks: list[list[int]], me: int) -> dist.ProcessGroup:
 def init_mesh(tensor: int = 1, expert: int = 1, data: int = 1, *, rank: int | None = None,
               world_size: int | None = None, init_method: str | None = None, backend: str | None = None) -> Mesh:
     """The Mesh of this process. Starts torch.distributed if it is not running: from torchrun's RANK /
-    WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or the given rank, world_size and init_method (e.g.
+    WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (checked first: one missing is a UserError naming it), or
+    the given rank, world_size and init_method (e.g.
     tcp://127.0.0.1:PORT); backend default: nccl where CUDA is, else gloo (one GPU per rank: LOCAL_RANK's). The
     world must be data x tensor x expert ranks. Every rank must call this with the same sizes (it creates the
     groups collectively)."""
@@ -109,15 +137,28 @@ def init_mesh(tensor: int = 1, expert: int = 1, data: int = 1, *, rank: int | No
     if need == 1 and not dist.is_initialized():
         return SINGLE
     if not dist.is_initialized():
+        if init_method in (None, "env://"):  # torchrun's variables; a given rank / world_size stands in for its own
+            given = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}
+            _check_env(sizes, need, tuple(n for n in TORCHRUN_ENV if given.get(n) is None))
         rank = _env_int("RANK") if rank is None else rank
         world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
         if rank is None or world_size is None:
             raise UserError(f"parallel: {sizes} needs {need} processes; start them with torchrun "
                             f"--nproc-per-node {need} (RANK / WORLD_SIZE are unset)")
+        if not 0 <= rank < world_size:
+            raise UserError(f"parallel: rank {rank} of {world_size} processes: RANK must lie in [0, WORLD_SIZE)")
+        if world_size != need:  # before the start, which would wait for ranks that do not exist
+            raise UserError(f"parallel: {sizes} = {need} ranks, but {world_size} processes run")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)  # "cuda" then means this rank's GPU
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+        except (RuntimeError, ValueError) as e:  # an address that does not resolve, a port taken (DistNetworkError)
+            where = init_method or f"env:// (MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT=" \
+                                   f"{os.environ['MASTER_PORT']})"
+            raise UserError(f"parallel: torch.distributed did not start at {where}, rank {rank} of {world_size}: "
+                            f"{' '.join(str(e).split())[:200]}") from None
     world = dist.get_world_size()
     if world != need:
         raise UserError(f"parallel: {sizes} = {need} ranks, but {world} processes run")

@@ -223,9 +223,10 @@ def test_bad_config_values_name_the_key(tmp_path, arch, changes, needles):
 
 
 @pytest.mark.parametrize("changes,needles", [
-    ({"vocab_size": 10 ** 12}, ("lm_head.weight", "[96, 32]", "the config implies [1000000000000, 32]")),
-    ({"num_hidden_layers": 10 ** 6}, ("config.json", "num_hidden_layers=1000000 needs at least",)),
-    ({"intermediate_size": 2 ** 62}, ("config.json", "sizes make no model")),
+    ({"vocab_size": 10 ** 6}, ("lm_head.weight", "[96, 32]", "the config implies [1000000, 32]")),
+    ({"num_hidden_layers": 1000}, ("config.json", "num_hidden_layers=1000 needs at least",)),
+    ({"vocab_size": 10 ** 12}, ("config.json", "vocab_size must be <=")),  # past the bounds: before any shape
+    ({"intermediate_size": 2 ** 62}, ("config.json", "intermediate_size must be <= 262144")),
 ])
 def test_a_config_that_lies_about_sizes_allocates_nothing(tmp_path, changes, needles):
     """Shapes are checked on the meta device against the safetensors headers before any memory is allocated."""
