@@ -27,6 +27,7 @@ from compiledllm.engine.engine import working_length
 from compiledllm.errors import UserError
 from compiledllm.models.routing import expected_touched, moe_layers, touched_after
 from compiledllm.recipe import Recipe, load_recipe
+from compiledllm.signals import shielded, signal_name
 
 TOUCHED_ROWS = 64       # rows of the touched-experts forward at most (uniform routing touches all experts long before)
 TOUCHED_CONTEXT = 1024  # cached prompt tokens per row before that forward
@@ -41,6 +42,15 @@ class BenchSettings:
     requests: int | None = None            # per point (None: the point's batch)
     rate: float = math.inf                 # requests per second (Poisson); inf: all at once
     seed: int = 0
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM: signals.py) during the points: `report` holds every point that finished
+    (marked "interrupted", with the signal)."""
+
+    def __init__(self, report: dict):
+        super().__init__()
+        self.report = report
 
 
 def parse_list(text: str, option: str, allow_max: bool = False) -> tuple:
@@ -177,7 +187,8 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               on_start: Callable[[int], None] | None = None, on_progress: Callable[[str], None] | None = None,
               on_point: Callable[[dict], None] | None = None) -> dict:
     """Every point of the grid for the recipe at `path`; the report (settings, device, points) that --out writes.
-    on_point gets the report so far after each point (the CLI writes it then: a run cut short keeps its points)."""
+    on_point gets the report so far after each point (the CLI writes it then: a run cut short keeps its points);
+    a stop signal during the points raises BenchInterrupted with the points that finished."""
     from compiledllm.parallel import init_mesh
     from compiledllm.policies import policy_name
     from compiledllm.recipe import resolved_policy
@@ -218,19 +229,33 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               "device": device, "torch": torch.__version__,
               "threads": threads if model.device.type == "cpu" else None, "date": time.strftime("%Y-%m-%d"),
               "settings": settings_record(settings), "points": []}
-    for plen, out, batch in points:
-        if on_progress is not None:
-            on_progress(f"prompt {plen or 'file'} · output {out} · batch {batch}")
-        rec = {"prompt_len": plen, "output_len": out, "batch_asked": batch}
-        try:
-            rec |= bench_point(model, base, settings, probe, given, plen, out, batch)
-        except (UserError, torch.OutOfMemoryError) as e:  # the point fails; the grid goes on
-            free_memory(model)
-            rec["error"] = str(e).splitlines()[0]
-        report["points"].append(rec)
-        if on_point is not None:
-            on_point(report)
+    try:
+        for plen, out, batch in points:
+            if on_progress is not None:
+                on_progress(f"prompt {plen or 'file'} · output {out} · batch {batch}")
+            rec = {"prompt_len": plen, "output_len": out, "batch_asked": batch}
+            try:
+                rec |= bench_point(model, base, settings, probe, given, plen, out, batch)
+            except (UserError, torch.OutOfMemoryError) as e:  # the point fails; the grid goes on
+                free_memory(model)
+                rec["error"] = str(e).splitlines()[0]
+            with shielded():  # a stop signal waits until the point is in the report (and on_point wrote it)
+                report["points"].append(rec)
+                if on_point is not None:
+                    on_point(report)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM (signals.py): the points that finished
+        raise BenchInterrupted(report | {"interrupted": True, "signal": signal_name()}) from None
     return report
+
+
+def all_failed(report: dict) -> str | None:
+    """Why no point ran (the first point's error), or None when one did."""
+    points = report["points"]
+    if not points or any("error" not in r for r in points):
+        return None
+    r = points[0]
+    return (f"every point failed ({len(points)}); the first, prompt {r['prompt_len'] or 'file'} · out "
+            f"{r['output_len']} · batch {r['batch_asked']}: {r['error']}")
 
 
 def bench_point(model, base: EngineConfig, settings: BenchSettings, probe: MaxProbe, given: list[list[int]] | None,
@@ -265,7 +290,15 @@ def settings_record(s: BenchSettings) -> dict:
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """Output tokens/s and p50 latency against the batch used, one line per prompt length (and output length)."""
+    """The plot (plot_writer) at `path`, written whole or not at all."""
+    from compiledllm.outputs import write_files
+
+    write_files([("--plot", path, plot_writer(report))])
+
+
+def plot_writer(report: dict) -> Callable[[Path], None]:
+    """What writes, as a PNG at the path it is given, output tokens/s and p50 latency against the batch used, one
+    line per prompt length (and output length)."""
     try:
         import matplotlib
 
@@ -273,29 +306,35 @@ def write_plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot: needs matplotlib (pip install 'compiledllm[plot]')") from None
+    return lambda path: _draw_plot(plt, report, path)
+
+
+def _draw_plot(plt, report: dict, path: Path) -> None:
     lines: dict[tuple, list[dict]] = {}
     for r in report["points"]:
         if "error" not in r:
             lines.setdefault((r["prompt_len"], r["output_len"]), []).append(r)
     outs = sorted({o for _, o in lines})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (plen, out), rs in sorted(lines.items()):
-        rs = sorted(rs, key=lambda r: r["batch"])
-        style = dict(marker="o", linestyle=["-", "--", ":", "-."][outs.index(out) % 4],
-                     label=f"prompt {plen}, output {out}")
-        axes[0].plot([r["batch"] for r in rs], [r["output_tokens_per_s"] or 0 for r in rs], **style)
-        axes[1].plot([r["batch"] for r in rs], [r["latency_p50_s"] for r in rs], **style)
-    batches = sorted({r["batch"] for rs in lines.values() for r in rs})
-    for ax, what in zip(axes, ("output tokens/s, end to end", "request latency p50 (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.minorticks_off()
-        ax.set_xlabel("batch")
-        ax.set_ylabel(what)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report['model']} · {report['policy_name']} · {report['device']} · torch {report['torch']}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        for (plen, out), rs in sorted(lines.items()):
+            rs = sorted(rs, key=lambda r: r["batch"])
+            style = dict(marker="o", linestyle=["-", "--", ":", "-."][outs.index(out) % 4],
+                         label=f"prompt {plen}, output {out}")
+            axes[0].plot([r["batch"] for r in rs], [r["output_tokens_per_s"] or 0 for r in rs], **style)
+            axes[1].plot([r["batch"] for r in rs], [r["latency_p50_s"] for r in rs], **style)
+        batches = sorted({r["batch"] for rs in lines.values() for r in rs})
+        for ax, what in zip(axes, ("output tokens/s, end to end", "request latency p50 (s)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.minorticks_off()
+            ax.set_xlabel("batch")
+            ax.set_ylabel(what)
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{report['model']} · {report['policy_name']} · {report['device']} · torch {report['torch']}",
+                     fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120, format="png")  # the path is a temporary: no suffix to go by
+    finally:
+        plt.close(fig)

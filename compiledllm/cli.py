@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -18,9 +19,11 @@ from rich.table import Table
 from rich.text import Text
 
 from compiledllm.errors import UserError
+from compiledllm.signals import stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Run, evaluate, profile and export block diffusion language models (LLaDA2, SDAR, LLaDA).")
+                  help="Run, evaluate, profile, export and serve block diffusion language models (LLaDA2, SDAR, "
+                       "LLaDA).")
 console = Console()                 # tables and reports (silent under --quiet)
 err_console = Console(stderr=True)  # progress bars (silent under --quiet)
 alerts = Console(stderr=True)       # errors and interruptions: always shown
@@ -53,6 +56,31 @@ def fail(message: str) -> None:
     # the message as plain text: it may hold brackets ("compiledllm[plot]") that rich would read as markup
     alerts.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def interrupted(kept: str) -> None:
+    """The one line a command stopped by SIGINT / SIGTERM prints (what it kept, and where; signals.py), and its exit
+    code: 130 / 143."""
+    import signal
+
+    from compiledllm import signals
+
+    by = "" if signals.received() == signal.SIGINT else f" by {signals.signal_name()}"  # Ctrl-C: as ever
+    alerts.print(f"interrupted{by}: {kept}", highlight=False, soft_wrap=True)
+    raise typer.Exit(signals.exit_code())
+
+
+def stoppable(command):
+    """A command that SIGINT / SIGTERM stop as signals.py says; one that arrives before the command's own handling
+    (while torch is imported) is the same one line, not click's "Aborted!"."""
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs):
+        with stop_on_signals():
+            try:
+                return command(*args, **kwargs)
+            except KeyboardInterrupt:
+                interrupted("nothing had finished; nothing was written")
+    return wrapped
 
 
 class _StderrLog(logging.Handler):
@@ -176,11 +204,14 @@ def source_recipe(target: str, overrides: list[str], prompt: list[str] | None, p
     torch): recipe.check_policy does it, once the model's path is checked."""
     from compiledllm import hub
     from compiledllm.builtin_names import BUILTIN_NAMES, is_builtin_name
+    from compiledllm.inputs import check_file
     from compiledllm.recipe import MAX_RECIPE_BYTES, load_recipe, parse_yaml, read_text
 
-    if prompts_file is not None and not prompts_file.is_file():
-        raise UserError(f"--prompts: {prompts_file} " + ("is a directory, not a file" if prompts_file.is_dir()
-                                                         else "not found"))
+    if prompts_file is not None:  # a regular file (not a FIFO, device or directory): read later, by load_prompts
+        try:
+            check_file(prompts_file, "prompts file")
+        except UserError as e:
+            raise UserError(f"--prompts: {e}") from None
     given = [{"text": t} for t in prompt or []]
     path = Path(target)
     if is_recipe_target(target):
@@ -240,6 +271,7 @@ def checked_recipe(target: str, overrides: list[str], prompt, prompts_file, poli
 
 
 @app.command()
+@stoppable  # SIGINT / SIGTERM keep the finished results (runner.execute)
 def run(
     recipe: str = typer.Argument(..., metavar="RECIPE_OR_MODEL", help=TARGET_HELP),
     prompt: Optional[List[str]] = typer.Option(None, "--prompt", metavar="TEXT", help=PROMPT_HELP),
@@ -252,6 +284,7 @@ def run(
 ) -> None:
     """Decode every prompt of RECIPE (or of --prompt / --prompts with a MODEL); write one JSON line per prompt (in
     prompt order) and print a summary."""
+    out = None
     try:
         rec, path = checked_recipe(recipe, with_flags(set_, trust_exported, threads), prompt, prompts_file, policy)
         out = output if output is not None else (Path(rec.output) if rec.output else None)
@@ -285,10 +318,13 @@ def run(
     except UserError as e:
         fail(str(e))
     except RunInterrupted as e:
-        kept = f"kept {e.kept} finished results in {e.path}" if e.path else f"{e.kept} results had finished"
-        alerts.print(f"interrupted: {kept}" + (f"; {out} is unchanged" if out else ""), highlight=False,
-                     soft_wrap=True)
-        raise typer.Exit(130)
+        if not e.kept:
+            interrupted("no result had finished; nothing was written" + (f" ({out} is unchanged)" if out else ""))
+        kept = (f"kept {e.kept} finished results in {e.path} (summary: {e.path.with_suffix('.summary.json')})"
+                if e.path else f"{e.kept} results had finished")
+        interrupted(kept + (f"; {out} is unchanged" if out else ""))
+    except KeyboardInterrupt:  # before the first decode began
+        interrupted("no result had finished; nothing was written" + (f" ({out} is unchanged)" if out else ""))
     if not main_rank():  # the other ranks of a split model decoded the same tokens: rank 0 reports them
         return
     log.info("%d prompts: %d tokens in %d forwards, %.2f s (load %.2f s, start-up %.2f s)", summary.prompts,
@@ -446,6 +482,7 @@ def edit_table(name: str, entry: dict) -> Table | None:
 
 
 @app.command("eval")
+@stoppable  # SIGINT / SIGTERM keep the finished policy runs (evaluate.EvalInterrupted)
 def eval_(
     recipe: Path = typer.Argument(..., help="Eval recipe YAML file (model, policies, task files)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
@@ -458,39 +495,48 @@ def eval_(
     A legend below the tables explains the columns.
 
     Beside the report, <stem>.png charts each policy's exact match and tokens per forward, per task file.
-    Ctrl-C keeps the policies that finished in <stem>.partial.json beside the output (which stays unchanged).
+    Ctrl-C or SIGTERM keeps the policies that finished in <stem>.partial.json beside the output (which stays
+    unchanged).
     """
     precheck_file(recipe, "eval recipe")
     settle_torch_logging()
-    from compiledllm.evaluate import EvalInterrupted, load_eval_recipe, run_eval, write_chart
-    from compiledllm.outputs import check_output, partial_path, write_atomic
+    from compiledllm.evaluate import EvalInterrupted, chart_writer, load_eval_recipe, run_eval
+    from compiledllm.outputs import check_outputs, locked, partial_path, write_files
+    from compiledllm.signals import finishing
 
     out, chart, stopped = None, None, False
     try:
         rec = load_eval_recipe(recipe, with_flags(set_, trust_exported, threads))
         out = output if output is not None else (Path(rec.output) if rec.output else None)
-        if out is not None:  # before the evaluation, not after it
-            inputs = [recipe, *(rec.resolve(t) for t in rec.tasks)]
-            check_output(out, inputs, "eval output")
-            check_output(out.with_suffix(".png"), inputs, "eval chart")
-        with progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()) as bar:
-            task = bar.add_task("loading the model", total=None)
-            try:
-                report = run_eval(rec, on_progress=lambda s: bar.update(task, description=s),
-                                  on_start=lambda n: bar.update(task, total=n), on_result=lambda r: bar.advance(task))
-            except EvalInterrupted as e:
-                report, stopped = e.report, True
-        if out is not None:
-            write_atomic(partial_path(out) if stopped else out, json.dumps(report, indent=2) + "\n", "eval output")
-            if not stopped:
-                chart = write_chart(report, out.with_suffix(".png"))
+        with contextlib.ExitStack() as held:
+            if out is not None:  # before the evaluation, not after it; a second eval on the report is refused
+                files = [("eval output", out), ("eval chart", out.with_suffix(".png")),
+                         ("eval partial report", partial_path(out))]
+                check_outputs(files, [recipe, *(rec.resolve(t) for t in rec.tasks)])
+                held.enter_context(locked(files))
+            with progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()) as bar:
+                task = bar.add_task("loading the model", total=None)
+                try:
+                    report = run_eval(rec, on_progress=lambda s: bar.update(task, description=s),
+                                      on_start=lambda n: bar.update(task, total=n),
+                                      on_result=lambda r: bar.advance(task))
+                except EvalInterrupted as e:
+                    report, stopped = e.report, True
+            finishing()  # the report is whole: a stop signal now lets it be written
+            done = sum(len(entry["policies"]) for entry in report["files"].values())
+            if stopped and not done:
+                raise KeyboardInterrupt  # nothing to keep: an earlier partial report stays as it was
+            if out is not None:
+                text = json.dumps(report, indent=2) + "\n"
+                draw = None if stopped else chart_writer(report)
+                write_files([("eval output", partial_path(out) if stopped else out, text),
+                             *([("eval chart", out.with_suffix(".png"), draw)] if draw else [])])
+                chart = out.with_suffix(".png") if draw else None
     except UserError as e:
         fail(str(e))
     except KeyboardInterrupt:  # before the first decode began
-        alerts.print("interrupted before any policy finished; nothing was written"
-                     + (f" ({out} is unchanged)" if out else ""), highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        interrupted("no policy had finished; nothing was written" + (f" ({out} is unchanged)" if out else ""))
     if out is None or not stopped:
         edits = False
         for name, entry in report["files"].items():
@@ -502,11 +548,9 @@ def eval_(
                     edits = True
         console.print(Text(EVAL_LEGEND + ("\n" + EDIT_LEGEND if edits else ""), style="dim"))
     if stopped:
-        done = sum(len(entry["policies"]) for entry in report["files"].values())
         runs = f"{done} finished policy run{'s' * (done != 1)}"
-        alerts.print(f"interrupted: kept the {runs} in {partial_path(out)}; {out} is unchanged" if out is not None
-                     else f"interrupted: {runs} (above); nothing was written", highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        interrupted(f"kept the {runs} in {partial_path(out)}; {out} is unchanged" if out is not None
+                    else f"{runs} (above); nothing was written")
     if out is not None:
         console.print(f"wrote {out}", highlight=False, soft_wrap=True)
         console.print(f"chart: {chart}" if chart else "chart: skipped (pip install 'compiledllm[plot]' for "
@@ -627,6 +671,7 @@ def stall_table(report: dict) -> Table | None:
 
 
 @app.command()
+@stoppable  # SIGINT / SIGTERM keep the finished points (bench.BenchInterrupted)
 def bench(
     recipe: Path = typer.Argument(..., help="Recipe YAML file (model, policy, batch_size, compile, cuda_graphs, ...; "
                                   "its prompts and output are not used)."),
@@ -657,10 +702,13 @@ def bench(
     """
     precheck_file(recipe)
     settle_torch_logging()
-    from compiledllm.bench import BenchSettings, parse_list, parse_rate, run_bench, write_plot
-    from compiledllm.outputs import check_output, write_atomic
+    from compiledllm.bench import (BenchInterrupted, BenchSettings, all_failed, parse_list, parse_rate, plot_writer,
+                                   run_bench)
+    from compiledllm.outputs import check_outputs, locked, partial_path, write_files
     from compiledllm.parallel import main_rank
+    from compiledllm.signals import finishing
 
+    stopped = False
     try:
         if prompts is not None and prompt_len is not None:
             raise UserError("--prompts and --prompt-len: give one of them")
@@ -674,27 +722,48 @@ def bench(
         inputs = [recipe, *([prompts] if prompts else [])]
         if plot is not None and not has_matplotlib():  # before the run, not after it
             raise UserError("--plot: needs matplotlib (pip install 'compiledllm[plot]'), or leave --plot out")
-        for path, what in ((out, "--out"), (plot, "--plot")):
-            if path is not None:
-                check_output(path, inputs, what)
-        with progress(TextColumn("[bold]bench[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn()) as bar:
-            task = bar.add_task("loading the model", total=None)
+        kept = partial_path(out) if out is not None else None  # the points so far, after each one
+        files = [(what, path) for what, path in (("--out", out), ("--plot", plot), ("--out partial report", kept))
+                 if path is not None]
+        check_outputs(files, inputs)
+        writes = os.environ.get("RANK", "0") == "0"  # rank 0 of torchrun writes (its mesh is not up yet)
+        with locked(files if writes else []):  # a second bench on these files is refused
+            with progress(TextColumn("[bold]bench[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn()) as bar:
+                task = bar.add_task("loading the model", total=None)
 
-            def point_done(report: dict) -> None:
-                bar.advance(task)
-                if out is not None and main_rank():  # after every point: a run cut short keeps what it measured
-                    write_atomic(out, json.dumps(report, indent=2) + "\n", "--out")
+                def point_done(report: dict) -> None:
+                    bar.advance(task)
+                    if kept is not None and main_rank():  # after every point: a run cut short keeps what it measured
+                        write_files([("--out", kept, json.dumps(report, indent=2) + "\n")])
 
-            report = run_bench(recipe, with_flags(set_, threads=threads), settings,
-                               on_start=lambda n: bar.update(task, total=n),
-                               on_progress=lambda s: bar.update(task, description=s), on_point=point_done)
-        if not main_rank():  # the other ranks of a split model ran the same points: rank 0 reports them
-            return
-        if plot is not None:
-            write_plot(report, plot)
+                try:
+                    report = run_bench(recipe, with_flags(set_, threads=threads), settings,
+                                       on_start=lambda n: bar.update(task, total=n),
+                                       on_progress=lambda s: bar.update(task, description=s), on_point=point_done)
+                except BenchInterrupted as e:
+                    report, stopped = e.report, True
+            finishing()  # the report is whole: a stop signal now lets it be written
+            if not main_rank():  # the other ranks of a split model ran the same points: rank 0 reports them
+                return
+            text = json.dumps(report, indent=2) + "\n"
+            failed = None if stopped else all_failed(report)
+            if stopped and not report["points"]:
+                raise KeyboardInterrupt  # nothing to keep: an earlier partial report stays as it was
+            if stopped and kept is not None:
+                write_files([("--out", kept, text)])  # marked interrupted
+            elif not stopped:
+                if failed is None:
+                    write_files([*([("--out", out, text)] if out else []),
+                                 *([("--plot", plot, plot_writer(report))] if plot else [])])
+                if kept is not None:
+                    kept.unlink(missing_ok=True)  # the report (or the error) replaces what was kept on the way
+            if failed is not None:
+                raise UserError(f"bench: {failed}; nothing was written")
     except UserError as e:
         fail(str(e))
+    except KeyboardInterrupt:  # before the first point finished
+        interrupted("no point had finished; nothing was written" + (f" ({out} is unchanged)" if out else ""))
     console.print(bench_table(report))
     for r in report["points"]:
         if "error" in r:
@@ -704,9 +773,72 @@ def bench(
     if stalls is not None:
         console.print(stalls)
     console.print(Text(BENCH_LEGEND, style="dim"))
+    if stopped:
+        n = len(report["points"])
+        points = f"{n} finished point{'s' * (n != 1)}"
+        interrupted(f"kept the {points} in {kept}; {out} is unchanged" if kept is not None
+                    else f"{points} (above); nothing was written")
     for path, what in ((out, "report"), (plot, "chart")):
         if path is not None:
             console.print(f"{what}: {path}", highlight=False, soft_wrap=True)
+
+@app.command()
+def serve(
+    recipe: str = typer.Argument(..., metavar="RECIPE_OR_MODEL", help="A recipe YAML file (its model, policy, "
+                                 "batch_size and generation settings; its prompts are not used), or a MODEL: a "
+                                 "built-in name, a checkpoint directory or a Hugging Face ORG/NAME."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0: any free one, printed)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="COMPILEDLLM_API_KEY",
+                                          help="Every request must send 'Authorization: Bearer KEY'."),
+    policy: Optional[str] = typer.Option(None, "--policy", metavar="NAME", help=POLICY_HELP),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
+    max_queue: int = typer.Option(256, "--max-queue", min=1, help="Requests that may wait for a slot (more: 429)."),
+    timeout: float = typer.Option(600.0, "--timeout", min=0.001, help="Seconds a request may take (then 408)."),
+    name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients give "
+                                       "(default: the recipe's model name)."),
+    trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+) -> None:
+    """Serve RECIPE's model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics), with the engine's continuous batching; SIGINT / SIGTERM drain and stop."""
+    try:
+        from compiledllm.recipe import check_policy, load_recipe
+
+        overrides = with_flags(set_, trust_exported, threads)
+        if is_recipe_target(recipe):
+            if policy is not None:
+                raise UserError(f"--policy {policy}: with a recipe file, set the policy there or with "
+                                f"--set policy.name={policy}")
+            rec = load_recipe(Path(recipe), overrides, check_policy=False)
+        else:
+            rec, _ = source_recipe(recipe, overrides, [SERVE_PROMPT], None, policy)
+        check_model_path(rec)
+        check_policy(rec, recipe)
+        from compiledllm.server.launch import bind, build_server, is_loopback, serve as serve_forever
+
+        sock = bind(host, port)
+        settle_torch_logging()
+        with err_console.status(f"loading {rec.model.name} and capturing its engine"):
+            server = build_server(rec, api_key, max_queue, timeout, name)
+    except UserError as e:
+        fail(str(e))
+    if not is_loopback(host) and api_key is None:
+        alerts.print(f"warning: serving on {host} without --api-key: anyone who reaches the port can use it",
+                     highlight=False, soft_wrap=True)
+    cfg = server.config
+
+    def ready(url: str) -> None:
+        console.print(f"serving {cfg.name} on {url}/v1 ({cfg.slots} slots of {cfg.capacity} positions, queue "
+                      f"{cfg.max_queue}); Ctrl-C or SIGTERM stops after the running requests", highlight=False,
+                      soft_wrap=True)
+        sys.stdout.flush()
+
+    serve_forever(server, sock, "debug" if logging.getLogger().level <= logging.DEBUG else "warning", ready)
+    console.print("stopped", highlight=False)
+
+
+SERVE_PROMPT = "served"  # a model target's minimal recipe needs a prompt; the server never decodes it
 
 
 def main() -> None:

@@ -34,7 +34,6 @@ longest, and the max_new_tokens that fits them) and its report entry records the
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -44,7 +43,8 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compiledllm.errors import UserError
-from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, read_text
+from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, parse_json, read_text
+from compiledllm.signals import shielded, signal_name
 from compiledllm.threads import set_threads
 
 TIMING_KEYS = ("wall_s", "tokens_per_s")  # the only metrics that vary from run to run
@@ -144,16 +144,13 @@ def reference_index(reference: int | str | None, labels: list[str]) -> int:
 
 
 def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | None = None) -> list[Task]:
-    tasks, split = [], 0
+    tasks, split, lines = [], 0, {}
     for n, line in enumerate(read_text(file, "task file").split("\n"), 1):  # JSON strings may hold U+2028
         if not line.strip():
             continue
         if limit is not None and len(tasks) >= limit:
             break
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{file}:{n}: malformed JSON ({e.msg})") from None
+        raw = parse_json(line, f"{file}:{n}")
         if not isinstance(raw, dict):
             raise UserError(f"{file}:{n}: a task is a JSON object")
         try:
@@ -176,7 +173,12 @@ def load_tasks(file: Path, tokenizer=None, tokens: str = "ids", limit: int | Non
             raise UserError(f"{file}:{n}: empty prompt or reference")
         if encoded == 2:
             split += tokenizer.encode(rec.prompt + rec.reference) != ids["prompt"] + ids["reference"]
-        tasks.append(Task(f"{file.stem}/{n}" if rec.id is None else str(rec.id), ids["prompt"], ids["reference"]))
+        task_id = f"{file.stem}/{n}" if rec.id is None else str(rec.id)
+        if task_id in lines:  # the report's outputs and any later comparison go by id
+            raise UserError(f"{file}:{n}: id {task_id!r} is also the id of line {lines[task_id]}; give each task "
+                            "its own id")
+        lines[task_id] = n
+        tasks.append(Task(task_id, ids["prompt"], ids["reference"]))
     if not tasks:
         raise UserError(f"{file}: task file holds no tasks")
     if split:  # the model reads the joined text's tokens: a reference split otherwise is hard to match
@@ -243,11 +245,16 @@ def edit_scores(outputs: list[list[int]], references: list[list[int]], records: 
 
 
 class EvalInterrupted(KeyboardInterrupt):
-    """Ctrl-C during an evaluation: `report` holds every policy that finished (marked "interrupted")."""
+    """A stop signal (Ctrl-C, SIGTERM: signals.py) during an evaluation: `report` holds every policy that finished
+    (marked "interrupted", with the signal)."""
 
     def __init__(self, report: dict):
         super().__init__()
         self.report = report
+
+
+def _stopped() -> dict:
+    return {"interrupted": True, "signal": signal_name()}
 
 
 def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
@@ -268,7 +275,7 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
             _evaluate_policy(model, tasks, policies[i], labels[i], n_new, batch_size, compile, cuda_graphs, outputs,
                              metrics, on_policy, on_result)
     except KeyboardInterrupt:
-        raise EvalInterrupted(_report(tasks, n_new, labels, ref_i, outputs, metrics) | {"interrupted": True}) from None
+        raise EvalInterrupted(_report(tasks, n_new, labels, ref_i, outputs, metrics) | _stopped()) from None
     return _report(tasks, n_new, labels, ref_i, outputs, metrics)
 
 
@@ -306,10 +313,9 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     outs = [r.output_ids for r in results]
     tokens, forwards = sum(len(o) for o in outs), sum(r.steps for r in results)
     blocks = sum(r.blocks for r in results)
-    outputs[label] = outs
-    m = metrics[label] = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
-                          "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall,
-                          "tokens_per_s": tokens / max(wall, 1e-9), "blocks": blocks}
+    m = {**continuation_scores(outs, refs), "forwards": forwards, "tokens": tokens,
+         "tokens_per_forward": tokens / max(forwards, 1), "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
+         "blocks": blocks}
     extras = [dict(r.extra) for r in results]
     if tracked:
         m |= edit_scores(outs, refs, [{k: e.pop(k) for k in EDIT_KEYS} for e in extras])
@@ -317,6 +323,8 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     stats = [e for e in extras if e]
     if stats:  # the policy's own statistics (Policy.report), summed over the tasks
         m["policy_stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
+    with shielded():  # a stop signal waits: the policy run is in the report whole, or not at all
+        outputs[label], metrics[label] = outs, m
     log.info("%s: %d tasks, %d tokens in %d forwards, %.2f s", label, len(tasks), tokens, forwards, wall)
 
 
@@ -362,7 +370,7 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
                            on_result=on_result)
         except EvalInterrupted as e:
             report["files"][file.name] = _entry(path, e.report, rec.save_outputs) | lengths[file.name]
-            raise EvalInterrupted(report | {"interrupted": True}) from None
+            raise EvalInterrupted(report | _stopped()) from None
         report["files"][file.name] = _entry(path, res, rec.save_outputs) | lengths[file.name]
     return report
 
@@ -394,8 +402,20 @@ def quality_numbers(report: dict) -> dict:
 
 
 def write_chart(report: dict, path: Path) -> Path | None:
-    """Bars of each policy's exact match (left axis) beside its tokens per forward (right axis), values on the
-    bars, one panel per task file. None when matplotlib is missing or no policy finished."""
+    """The chart (chart_writer) at `path`, written whole or not at all; None when there is none to draw."""
+    from compiledllm.outputs import write_files
+
+    draw = chart_writer(report)
+    if draw is None:
+        return None
+    write_files([("eval chart", path, draw)])
+    return path
+
+
+def chart_writer(report: dict) -> Callable[[Path], None] | None:
+    """What writes the chart as a PNG at the path it is given: bars of each policy's exact match (left axis) beside
+    its tokens per forward (right axis), values on the bars, one panel per task file. None when matplotlib is
+    missing or no policy finished."""
     files = {name: f for name, f in report["files"].items() if f["policies"]}
     if not files:
         return None
@@ -406,38 +426,40 @@ def write_chart(report: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return lambda path: _draw_chart(plt, report["model"], report["device"], files, path)
+
+
+def _draw_chart(plt, model: str, device: str, files: dict, path: Path) -> None:
     most = max(len(f["policies"]) for f in files.values())
     fig, axes = plt.subplots(len(files), 1, figsize=(max(6.0, 1.3 * most + 2), 3.6 * len(files)), squeeze=False)
-    for ax, (name, f) in zip(axes[:, 0], files.items()):
-        labels = list(f["policies"])
-        x = range(len(labels))
-        em = ax.bar([i - 0.2 for i in x], [f["policies"][lb]["exact_match"] for lb in labels], 0.4,
-                    color="#4477aa", label="exact match")
-        ax.bar_label(em, fmt="%.2f", padding=2, fontsize=8)
-        ax.set_ylim(0, 1.3)  # headroom: the legend sits above the bars
-        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-        ax.set_ylabel("exact match", color="#4477aa")
-        right = ax.twinx()
-        tpf = [f["policies"][lb]["tokens_per_forward"] for lb in labels]
-        bars = right.bar([i + 0.2 for i in x], tpf, 0.4, color="#cc6677", label="tokens per forward")
-        right.bar_label(bars, fmt="%.2f", padding=2, fontsize=8)
-        right.set_ylim(0, max(tpf) * 1.3 or 1)
-        right.set_ylabel("tokens per forward", color="#cc6677")
-        tilt = max(map(len, labels)) > 12  # long labels slant so that they do not overlap
-        ax.set_xticks(list(x), labels, rotation=20 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
-        ax.set_title(f"{name} · {f['tasks']} tasks · {f['max_new_tokens']} new tokens", fontsize=9)
-        ax.legend(handles=[em, bars], loc="upper left", fontsize=7, frameon=False)
-    fig.suptitle(f"{report['model']} on {report['device']}: quality vs tokens per forward", fontsize=10)
-    fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise UserError(f"eval chart: cannot write {path} ({e.strerror})") from None
+        for ax, (name, f) in zip(axes[:, 0], files.items()):
+            labels = list(f["policies"])
+            x = range(len(labels))
+            em = ax.bar([i - 0.2 for i in x], [f["policies"][lb]["exact_match"] for lb in labels], 0.4,
+                        color="#4477aa", label="exact match")
+            ax.bar_label(em, fmt="%.2f", padding=2, fontsize=8)
+            ax.set_ylim(0, 1.3)  # headroom: the legend sits above the bars
+            ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+            ax.set_ylabel("exact match", color="#4477aa")
+            right = ax.twinx()
+            tpf = [f["policies"][lb]["tokens_per_forward"] for lb in labels]
+            bars = right.bar([i + 0.2 for i in x], tpf, 0.4, color="#cc6677", label="tokens per forward")
+            right.bar_label(bars, fmt="%.2f", padding=2, fontsize=8)
+            right.set_ylim(0, max(tpf) * 1.3 or 1)
+            right.set_ylabel("tokens per forward", color="#cc6677")
+            tilt = max(map(len, labels)) > 12  # long labels slant so that they do not overlap
+            ax.set_xticks(list(x), labels, rotation=20 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
+            ax.set_title(f"{name} · {f['tasks']} tasks · {f['max_new_tokens']} new tokens", fontsize=9)
+            ax.legend(handles=[em, bars], loc="upper left", fontsize=7, frameon=False)
+        fig.suptitle(f"{model} on {device}: quality vs tokens per forward", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120, format="png")  # the path is a temporary: no suffix to go by
     finally:
         plt.close(fig)
-    return path
 
 
 __all__ = ["EvalInterrupted", "EvalRecipe", "Task", "evaluate", "run_eval", "load_eval_recipe", "load_tasks", "quality_numbers",
            "longer_references",
-           "continuation_scores", "agreement_scores", "edit_scores", "resolved_eval_recipe", "write_chart"]
+           "continuation_scores", "agreement_scores", "edit_scores", "resolved_eval_recipe", "write_chart",
+           "chart_writer"]

@@ -12,10 +12,11 @@ from compiledllm.engine import BlockEvent, Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.outputs import ResultSink, check_output
+from compiledllm.outputs import ResultSink, check_outputs, run_outputs
 from compiledllm.parallel import SINGLE, Mesh, generate_share, init_mesh, main_rank, replica_share, shard_model
 from compiledllm.policies import policy_name
 from compiledllm.recipe import ModelSpec, PromptSpec, Recipe, load_recipe
+from compiledllm.signals import finishing, shielded, signal_name
 from compiledllm.threads import set_threads
 
 
@@ -76,7 +77,8 @@ def result_record(res: GenerationResult) -> dict:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: `kept` results were kept in `path` (None: no output file)."""
+    """A stop signal (Ctrl-C, SIGTERM: signals.py) during a run: `kept` results were kept in `path` (None: no
+    output file)."""
 
     def __init__(self, kept: int, path: Path | None):
         super().__init__(kept, path)
@@ -128,7 +130,7 @@ def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | 
     previous files as they were (outputs.py). With parallel.data > 1 each engine replica decodes its share of the
     prompts and global rank 0 gets (and writes) every result; the other ranks return none."""
     if output is not None:
-        check_output(output, [*inputs, *run_inputs(recipe)])
+        check_outputs(run_outputs(output), [*inputs, *run_inputs(recipe)])
     model, prompts, engine, load_s, mesh = _prepare(recipe)
     if mesh.data > 1:
         engine, mine = replica_share(engine, prompts, mesh)
@@ -136,30 +138,37 @@ def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | 
         output = None  # every rank of a replica decodes the same tokens (parallel/); rank 0 writes the run's
     if on_start is not None:
         on_start(len(prompts), model)
-    sink = ResultSink(output) if output is not None else None
+    sink: ResultSink | None = None
     done: list[GenerationResult] = []
 
     def record(res: GenerationResult) -> None:
-        done.append(res)
-        if sink is not None:
-            sink.write(result_record(res))
+        with shielded():  # a stop signal waits: the result is in `done` and in the file, or in neither
+            done.append(res)
+            if sink is not None:
+                sink.write(result_record(res))
         if on_result is not None:
             on_result(res)
 
     t1 = time.perf_counter()
     try:
+        with shielded():  # a stop signal waits until the sink holds its lock and its file
+            sink = ResultSink(output) if output is not None else None
         if mesh.data == 1 and on_block is not None:
             results = _with_blocks(engine, prompts, record, on_block)
         elif mesh.data == 1:
             results = engine.generate(prompts, on_result=record)
         else:  # the wall time then includes waiting for the slowest replica
             results = generate_share(engine, mine, prompts, mesh, on_result=record)
-    except KeyboardInterrupt:
+        finishing()  # every result is in: a stop signal now lets the run commit them
+    except KeyboardInterrupt:  # SIGINT or SIGTERM (signals.py)
         kept = None
-        if sink is not None:
+        if sink is not None and not done:  # nothing to keep: an earlier partial file stays as it was
+            sink.discard()
+        elif sink is not None:
             summary = make_summary(recipe, model, done, time.perf_counter() - t1 - engine.startup_s, load_s,
                                    engine.startup_s)
-            kept = sink.keep_partial(asdict(summary) | {"interrupted": True, "prompts_given": len(prompts)})
+            kept = sink.keep_partial(asdict(summary) | {"interrupted": True, "signal": signal_name(),
+                                                        "prompts_given": len(prompts)})
         raise RunInterrupted(len(done), kept) from None
     except BaseException:
         if sink is not None:

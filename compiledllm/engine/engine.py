@@ -20,6 +20,7 @@ from compiledllm.engine.scheduler import RunStats
 from compiledllm.engine.session import EngineSession
 from compiledllm.errors import UserError
 from compiledllm.policies import PolicyConfig, make_policy, resolve_block
+from compiledllm.signals import shielded
 
 
 class Engine:
@@ -195,7 +196,15 @@ class Engine:
                 if not session.has_work():  # idle until the next request arrives
                     time.sleep(max(0.0, arrivals[pending[0]] - session.now()))
                     continue
-                yield from session.step()
+                events, stopped = [], None
+                try:
+                    with shielded():  # a command's stop signal lands between steps, never inside one
+                        events = session.step()
+                except KeyboardInterrupt as e:  # signals.Stopped at the step's end: its events still count
+                    stopped = e
+                yield from events
+                if stopped is not None:
+                    raise stopped
         finally:
             session.close()
             self.stats = session.stats()

@@ -103,7 +103,8 @@ class Server:
         self.tokenizer = engine.model.tokenizer
         self.sampling = engine.policy.sampling
         self.worker = EngineWorker(engine, config.slots, config.capacity, config.max_queue,
-                                   Metrics(lambda: self.worker.waiting, lambda: self.worker.running))
+                                   Metrics(lambda: self.worker.waiting, lambda: self.worker.running,
+                                           engine.model.device))
         self.metrics = self.worker.metrics
         self.created = now()
         self.app = self._app()

@@ -21,7 +21,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], int]):
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int], device=None):
+        """device: the engine's torch.device (on CUDA its memory is exported too)."""
         self.registry = r = CollectorRegistry()
         Gauge("compiledllm_queue_length", "Requests accepted and waiting for a slot", registry=r).set_function(waiting)
         Gauge("compiledllm_running_requests", "Requests in a slot (prefilling or decoding)",
@@ -42,6 +43,13 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.step_s = Histogram("compiledllm_step_seconds", "One engine step (prefill and decode forwards)",
                                 buckets=STEP_BUCKETS, registry=r)
+        if device is not None and device.type == "cuda":
+            import torch
+
+            gpu = Gauge("compiledllm_gpu_memory_bytes", "GPU memory of this process (torch's allocator)", ["kind"],
+                        registry=r)
+            gpu.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+            gpu.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git
 
 def default_outputs() -> list[str]:
     paths = ["profile/trace.json.gz", "profile/profile.json", "profile/profile.png", "engine/weights.safetensors",
-             "bench.json", "bench.png", ".results.jsonl.lock", ".results.jsonl.1234.tmp"]
+             "bench.json", "bench.png", "bench.partial.json", ".results.jsonl.lock", ".results.jsonl.1234.tmp"]
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         out = yaml.safe_load(recipe.read_text()).get("output")
         if not out:

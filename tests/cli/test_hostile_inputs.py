@@ -24,8 +24,6 @@ EVAL = {"model": MODEL, "tasks": ["t.jsonl"], "policies": [{"name": "threshold",
 TASK = {"prompt_ids": [3, 4], "reference_ids": [5]}
 DEEP = "[" * 50_000 + "]" * 50_000  # one command-line argument holds at most 128 KiB
 HUGE = "1" * 5000                   # past Python's 4300-digit limit of int(str)
-EVALUATE_HELPER = pytest.mark.xfail(strict=True, reason="evaluate.load_tasks parses its lines with json.loads: it "
-                                    "needs compiledllm.inputs.parse_json (see issue 33 item 2's report)")
 
 
 def cli(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -138,7 +136,6 @@ def test_a_huge_integer_in_a_prompts_file(tmp_path):
                    "an integer of 5000 digits")
 
 
-@EVALUATE_HELPER
 @pytest.mark.parametrize("line, needles", [
     (DEEP, ("t.jsonl:2", "nested deeper than 64 levels")),
     ('{"prompt_ids": [3, %s], "reference_ids": [5]}' % HUGE, ("t.jsonl:2", "prompt_ids.1", "5000 digits")),
