@@ -352,7 +352,10 @@ def profile(
     settle_torch_logging()
     from compiledllm.profiler import MODE, STEPS_MEANING, profile_recipe, title
 
+    from compiledllm.outputs import check_folder
+
     try:
+        check_folder(out, "--out")  # first: a name too long for the filesystem fails every other look at it
         if out.exists() and not out.is_dir():
             raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json.gz, profile.json, "
                             "profile.png)")
@@ -402,7 +405,10 @@ def export(
     settle_torch_logging()
     from compiledllm.export.trace import export_recipe
 
+    from compiledllm.outputs import check_folder
+
     try:
+        check_folder(out, "--out")  # first: a name too long for the filesystem fails every other look at it
         if out.exists() and not out.is_dir():
             raise UserError(f"--out: {out} is a file; export writes a folder")
         if out.is_dir() and any(out.iterdir()) and not (out / "compiledllm_export.json").exists():

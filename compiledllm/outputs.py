@@ -46,6 +46,12 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+def temporary(path: Path) -> Path:
+    """Where a file (or folder: an export) is written before it is renamed to `path`: `.<name>.<pid>.tmp` beside
+    it, as every output here."""
+    return _tmp(Path(os.path.abspath(path)))
+
+
 def _lock_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
@@ -114,6 +120,12 @@ def _check_place(path: Path, what: str) -> None:
     if len(os.fsencode(str(_tmp(full)))) >= longest:
         raise UserError(f"{what}: {path}: the path is longer than the {longest - extra - 1} bytes this filesystem "
                         "allows")
+
+
+def check_folder(path: Path, what: str) -> None:
+    """For a command that writes a folder (export, profile): before any work, one line where it cannot be made or
+    written, or where its name (or its temporary's, `temporary`) is longer than the filesystem allows."""
+    _check_place(path, what)
 
 
 def _pathconf(path: Path, name: str, default: int) -> int:

@@ -16,7 +16,10 @@ and packages the kernels.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,7 +115,10 @@ def save_weights(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, dict
 
 def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: int, buckets: list[int],
                  backend: str = "aoti", on_bucket=None) -> Path:
-    """Write one package per bucket, the weights they share and the metadata into `out`."""
+    """Write one package per bucket, the weights they share and the metadata into `out`: into a temporary folder
+    beside it (`.<out>.<pid>.tmp`), moved into `out` only once whole. A failure (a full disk included) or an
+    interruption leaves an earlier export in `out` as it was and no temporary (a one-line error for a failed
+    write, naming --out)."""
     if backend == "tensorrt":
         try:
             import torch_tensorrt  # noqa: F401
@@ -124,9 +130,44 @@ def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: in
                         "use --backend aoti")
     if backend != "aoti":
         raise UserError(f"--backend {backend!r}: expected aoti or tensorrt")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [out / WEIGHTS_FILE, *out.glob("step_b*.pt2")]:  # an earlier export's: none of its buckets lingers
-        old.unlink(missing_ok=True)  # (its metadata stays until replaced: `compiledllm export` may write here again)
+    from compiledllm import signals
+    from compiledllm.outputs import temporary
+
+    out = Path(out)
+    tmp = temporary(out)
+
+    def remove() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    with signals.on_exit_now(remove):
+        try:
+            remove()  # a killed export's, of a process with this id
+            tmp.mkdir(parents=True)
+            files = _write_export(model, tmp, block=block, capacity=capacity, buckets=buckets, on_bucket=on_bucket)
+            out.mkdir(parents=True, exist_ok=True)
+            with signals.atomic():  # a few renames: the earlier export's files, then the metadata, replaced
+                for old in [out / WEIGHTS_FILE, *out.glob("step_b*.pt2")]:  # none of an earlier export's buckets
+                    if old.name not in files:                               # lingers
+                        old.unlink(missing_ok=True)
+                for name in sorted(files, key=lambda n: n == EXPORT_FILE):
+                    os.replace(tmp / name, out / name)
+        except OSError as e:
+            if e.errno not in _WRITE_ERRORS:
+                raise
+            raise UserError(f"--out: cannot write {out} ({e.strerror or e})") from None
+        finally:
+            remove()
+    return out
+
+
+# what a failed write of the export's files is (the compiler's own failures stay what they are)
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                 errno.ENAMETOOLONG}
+
+
+def _write_export(model: BlockDiffusionLM, out: Path, *, block: int, capacity: int, buckets: list[int],
+                  on_bucket=None) -> list[str]:
+    """The export's files in the (new, empty) folder `out`; returns their names."""
     module = FullForward(model) if model.bidirectional else WindowForward(model, block)
     if not model.bidirectional:
         buckets = [1, *buckets]  # prefill runs one slot at a time
@@ -150,8 +191,16 @@ def export_model(model: BlockDiffusionLM, out: Path, *, block: int, capacity: in
     (out / EXPORT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (out / WEIGHTS_FILE).chmod((out / EXPORT_FILE).stat().st_mode)  # safetensors writes 0600; match the rest
     if model.tokenizer is not None:
-        model.tokenizer.save(out)
-    return out
+        try:
+            model.tokenizer.save(out)
+        except OSError:
+            raise
+        except Exception as e:  # tokenizers reports a failed write as a plain Exception ("... (os error 28)")
+            code = next((c for c in _WRITE_ERRORS if f"(os error {c})" in str(e)), None)
+            if code is None:
+                raise
+            raise OSError(code, os.strerror(code)) from None
+    return sorted(p.name for p in out.iterdir())
 
 
 def export_recipe(source, out: Path, backend: str = "aoti", overrides: list[str] | None = None,
