@@ -47,7 +47,8 @@ def load_from_spec(m: ModelSpec, mesh: Mesh = SINGLE) -> BlockDiffusionLM:
             raise UserError(f"model.architecture: {m.architecture!r} but the config describes "
                             f"{model.config.architecture!r}")
         return shard_model(model, mesh) if mesh.world > 1 else model
-    return load_model(m.path, device=m.device, dtype=m.dtype, mask_token_id=m.mask_token_id,
+    dtype = m.dtype if "dtype" in m.model_fields_set else None  # not given: float32, or an exported engine's own
+    return load_model(m.path, device=m.device, dtype=dtype, mask_token_id=m.mask_token_id,
                       eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported,
                       revision=m.revision, mesh=mesh)
 

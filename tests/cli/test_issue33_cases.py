@@ -406,3 +406,16 @@ def test_an_exported_engine_takes_mask_token_id_from_the_recipe_not_silently_ign
     res = runner.invoke(app, ["run", str(r), "--set", "model.mask_token_id=500"])
     assert_user_error(res, "mask_token_id 500 is outside the vocabulary")
     assert res.stderr.startswith("error:")
+
+
+def test_a_recipe_without_model_dtype_lets_an_exported_engine_keep_its_own(monkeypatch):
+    """runner.load_from_spec passes model.dtype only when the recipe (or --set) gives it: an exported engine then
+    runs its own dtype instead of being refused for a float32 nobody asked for."""
+    from compiledllm import runner
+    from compiledllm.recipe import ModelSpec
+
+    seen = []
+    monkeypatch.setattr(runner, "load_model", lambda path, **kw: seen.append(kw["dtype"]))
+    runner.load_from_spec(ModelSpec.model_validate({"path": "engine/"}))
+    runner.load_from_spec(ModelSpec.model_validate({"path": "engine/", "dtype": "bfloat16"}))
+    assert seen == [None, "bfloat16"]

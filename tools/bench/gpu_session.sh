@@ -9,7 +9,8 @@
 # sampling (tools/bench/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
 # attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS),
 # session (issue 26's GPU tests: sessions, policy-owned KV, hooks, route groups, block routing, captured), e2evs
-# (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS)
+# (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS), serve (issue 30:
+# compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -152,4 +153,22 @@ if has session; then  # issue 26: captured sessions, the demonstrations' capture
     tests/policies/test_sparse_pool.py tests/policies/test_prefix_cache.py tests/policies/test_block_routed.py \
     tests/models/test_route_groups.py tests/engine/test_gpu_engine.py} -p no:cacheprovider 2>&1 \
     | tee "$OUT/session_gpu_tests.log" | tail -8
+fi
+if has serve; then  # issue 30: the engine in-process (compiledllm bench) and behind HTTP (serve + load_test), same shape
+  R=${SERVE_RECIPE:-recipes/serve_llada2_mini.yaml}
+  timeout ${SERVE_BENCH_TIMEOUT:-180} python3 -m compiledllm bench $R --prompt-len ${SERVE_PROMPT:-512} --output-len 128 \
+    --batch 32 --requests ${SERVE_REQUESTS:-512} --out "$OUT/serve_bench_baseline.json" 2>&1 | grep -v -i warn | tail -6
+  python3 -m compiledllm serve $R --port 0 >/tmp/serve.out 2>/tmp/serve.err &
+  SPID=$!
+  for i in $(seq 1 600); do grep -q "serving" /tmp/serve.out && break; kill -0 $SPID 2>/dev/null || break; sleep 0.5; done
+  URL=$(grep -o "http://[0-9.:]*" /tmp/serve.out | head -1)
+  echo "server $SPID at $URL"; tail -3 /tmp/serve.err
+  L="python3 tools/bench/load_test.py --url $URL --pid $SPID --ids --no-progress"
+  timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+    --prompt-tokens ${SERVE_PROMPT:-512} --out "$OUT/load_gpu.json" 2>&1 | tail -14
+  timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+    --prompt-tokens ${SERVE_PROMPT:-512} --stream --out "$OUT/load_gpu_stream.json" 2>&1 | tail -14
+  timeout ${SOAK_TIMEOUT:-300} $L --soak --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
+    --prompt-tokens 32 --out "$OUT/load_gpu_soak.json" 2>&1 | tail -14
+  kill -TERM $SPID; wait $SPID; echo "server exit code $?"; tail -3 /tmp/serve.out
 fi
