@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ from compiledllm.errors import UserError
 from compiledllm.server.app import Server, ServerConfig
 
 log = logging.getLogger("compiledllm.server")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def build_server(recipe, api_key: str | None = None, max_queue: int = 256, timeout_s: float = 600.0,
@@ -67,6 +69,9 @@ def serve(server: Server, sock: socket.socket, log_level: str = "warning",
     """Serve until SIGINT / SIGTERM (uvicorn's handlers: stop accepting, drain the running requests, exit)."""
     import uvicorn
 
+    # the engine's thread and the event loop's share the GIL: after the step's host sync the engine thread waits for
+    # the GIL up to the switch interval (Python's default 5 ms, a third of a decode step on a GPU)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     config = uvicorn.Config(server.app, log_level=log_level, access_log=log_level == "debug",
