@@ -164,11 +164,13 @@ if has serve; then  # issue 30: the engine in-process (compiledllm bench) and be
   URL=$(grep -o "http://[0-9.:]*" /tmp/serve.out | head -1)
   echo "server $SPID at $URL"; tail -3 /tmp/serve.err
   L="python3 tools/bench/load_test.py --url $URL --pid $SPID --ids --no-progress"
+  timeout ${LOAD_TIMEOUT:-200} $L --clients 64 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+    --prompt-tokens ${SERVE_PROMPT:-512} --out "$OUT/load_gpu_64.json" 2>&1 | tail -14
   timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
     --prompt-tokens ${SERVE_PROMPT:-512} --out "$OUT/load_gpu.json" 2>&1 | tail -14
   timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
     --prompt-tokens ${SERVE_PROMPT:-512} --stream --out "$OUT/load_gpu_stream.json" 2>&1 | tail -14
-  timeout ${SOAK_TIMEOUT:-300} $L --soak --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
+  timeout ${SOAK_TIMEOUT:-330} $L --soak --time-limit ${SOAK_LIMIT:-280} --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
     --prompt-tokens 32 --out "$OUT/load_gpu_soak.json" 2>&1 | tail -14
   kill -TERM $SPID; wait $SPID; echo "server exit code $?"; tail -3 /tmp/serve.out
 fi
