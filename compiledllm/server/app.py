@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from fastapi import FastAPI, Request
@@ -152,8 +152,9 @@ class Server:
 
     async def _start(self, prompts: list[list[int]], params: RequestParams) -> Job:
         job = Job(self.worker, asyncio.get_running_loop(), len(prompts))
-        each = [RequestParams(params.max_new_tokens, params.seed, params.stop, params.policy,
-                              None if params.noise_index is None else i) for i in range(len(prompts))]
+        # with a seed, choice i is keyed as prompt i of a run: the same request reproduces it, whatever its ids
+        each = [params if params.noise_index is None else replace(params, noise_index=i)
+                for i in range(len(prompts))]
         for rid, p, rp in zip(job.rids, prompts, each):
             try:
                 self.worker.prepare(rid, p, rp)
