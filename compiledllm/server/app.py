@@ -281,7 +281,7 @@ class Server:
 
         @app.get("/health")
         async def health():
-            ok = self.worker._thread.is_alive()
+            ok = self.worker.alive
             return JSONResponse({"status": "ok" if ok else "failed", "running": self.worker.running,
                                  "waiting": self.worker.waiting}, 200 if ok else 503)
 

@@ -79,6 +79,11 @@ class EngineWorker:
         return self._adds + (self.session.queued if self.session is not None else 0)
 
     @property
+    def alive(self) -> bool:
+        """The engine's thread is serving (False once it stopped, or died of an error)."""
+        return self._thread.is_alive() and self._error is None
+
+    @property
     def running(self) -> int:
         return self.session.running if self.session is not None else 0
 
