@@ -76,6 +76,8 @@ class ModelSpec(_Strict):
     architecture: str | None = None     # optional check of the config's architecture (init: random)
     seed: int = 0
     routing: Literal["balanced", "random"] | None = None  # init: random (default balanced): models/routing.py
+    # LLaDA2.2-style block routing for an MoE model (models/block_routing.py): each block admits this many experts
+    expert_capacity: int | None = Field(default=None, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Annotated[str, AfterValidator(_device)] = "cpu"  # cpu, cuda or cuda:N
     mask_token_id: int | None = Field(default=None, ge=0)

@@ -12,6 +12,7 @@ from compiledllm.engine import BlockEvent, Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
 from compiledllm.models.base import BlockDiffusionLM
+from compiledllm.models.block_routing import use_block_routing
 from compiledllm.outputs import ResultSink, check_outputs, run_outputs
 from compiledllm.parallel import SINGLE, Mesh, generate_share, init_mesh, main_rank, replica_share, shard_model
 from compiledllm.policies import policy_name
@@ -39,18 +40,29 @@ class Summary:
 
 def load_from_spec(m: ModelSpec, mesh: Mesh = SINGLE) -> BlockDiffusionLM:
     """The recipe's model; with a mesh of several ranks, this rank's share: a checkpoint's read alone (its slices
-    of the files), a random one's cut from the whole (random weights are for benchmarks)."""
+    of the files), a random one's cut from the whole (random weights are for benchmarks). model.expert_capacity
+    turns block routing on (models/block_routing.py)."""
     if m.init == "random":
         model = build_random(m.config, device=m.device, dtype=m.dtype, seed=m.seed, mask_token_id=m.mask_token_id,
                              eos_token_id=m.eos_token_id, routing=m.routing)
         if m.architecture is not None and m.architecture != model.config.architecture:
             raise UserError(f"model.architecture: {m.architecture!r} but the config describes "
                             f"{model.config.architecture!r}")
+        model = with_capacity(model, m.expert_capacity)
         return shard_model(model, mesh) if mesh.world > 1 else model
     dtype = m.dtype if "dtype" in m.model_fields_set else None  # not given: float32, or an exported engine's own
-    return load_model(m.path, device=m.device, dtype=dtype, mask_token_id=m.mask_token_id,
-                      eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported,
-                      revision=m.revision, mesh=mesh)
+    model = load_model(m.path, device=m.device, dtype=dtype, mask_token_id=m.mask_token_id,
+                       eos_token_id=m.eos_token_id, allow_nonfinite=m.allow_nonfinite, trust_exported=m.trust_exported,
+                       revision=m.revision, mesh=mesh)
+    return with_capacity(model, m.expert_capacity)
+
+
+def with_capacity(model, capacity: int | None):
+    if capacity is None:
+        return model
+    if getattr(model, "static_shapes", None) is not None:
+        raise UserError("model.expert_capacity: an exported engine routes as it was exported (set it at export)")
+    return use_block_routing(model, capacity)
 
 
 def encode_prompts(model: BlockDiffusionLM, prompts: list[PromptSpec]) -> list[list[int]]:

@@ -153,6 +153,32 @@ def llada2_router_moe(cfg: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tens
     return out + shared
 
 
+def llada2_block_moe(cfg: dict, w: dict, p: str, x: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """x [L, d] of one sequence -> [L, d]: LLaDA2.2 block routing, written from its description (tech report eq. 1;
+    the released rule as SGLang PR #31768's review quotes it), one token and one expert at a time. blocks[t]: token
+    t's block. A block admits the `expert_capacity` experts with the largest max over its tokens of the biased
+    score; each token takes its top-k biased scores among them (ties: the lower expert id, both times); weights:
+    the chosen unbiased scores over their sum + 1e-20, times routed_scaling_factor; no group-limited step."""
+    E, k, C = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["expert_capacity"]
+    s = torch.sigmoid(linear(x, w[p + "mlp.gate.weight"]))
+    b = (s + w[p + "mlp.gate.expert_bias"][None, :]).tolist()
+    out = torch.zeros_like(x)
+    for blk in sorted(set(blocks)):
+        members = [t for t, bt in enumerate(blocks) if bt == blk]
+        agg = [max(b[t][e] for t in members) for e in range(E)]
+        admitted = sorted(range(E), key=lambda e: (-agg[e], e))[:C]
+        for t in members:
+            chosen = sorted(admitted, key=lambda e: (-b[t][e], e))[:k]
+            total = sum(s[t, e] for e in chosen)
+            for e in chosen:
+                q = f"{p}mlp.experts.{e}."
+                y = gated_mlp(x[t], w[q + "gate_proj.weight"], w[q + "up_proj.weight"], w[q + "down_proj.weight"])
+                out[t] += s[t, e] / (total + 1e-20) * cfg["routed_scaling_factor"] * y
+    shared = gated_mlp(x, w[p + "mlp.shared_experts.gate_proj.weight"], w[p + "mlp.shared_experts.up_proj.weight"],
+                       w[p + "mlp.shared_experts.down_proj.weight"])
+    return out + shared
+
+
 def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) -> torch.Tensor:
     B, L = ids.shape
     H, KVH, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -174,6 +200,9 @@ def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         if i < cfg["first_k_dense_replace"]:
             m = gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+        elif cfg.get("expert_capacity") is not None:  # block routing over the config's blocks of positions
+            blocks = [t // cfg["block_size"] for t in range(L)]
+            m = torch.stack([llada2_block_moe(cfg, w, p, h[r], blocks) for r in range(B)])
         else:
             m = llada2_router_moe(cfg, w, p, h.reshape(B * L, -1)).view(B, L, -1)
         x = x + m

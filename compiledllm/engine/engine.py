@@ -39,6 +39,12 @@ class Engine:
         self.block = self.policy.block_size
         if static is not None and self.block != static.block:
             raise UserError(f"policy.block_size {self.block} differs from the exported engine's {static.block}")
+        moe = getattr(model.config, "moe", None)
+        if moe is not None and moe.route_block is not None and self.block != moe.route_block:
+            # the forwards' route groups are the policy's blocks: another size would route other token sets
+            raise UserError(f"policy.block_size {self.block} differs from the model's routing block "
+                            f"{moe.route_block} (block routing, expert_capacity {moe.expert_capacity}: config.json "
+                            "block_size)")
         self.static = static
         self.compile = config.compile and static is None
         self.cuda_graphs = config.cuda_graphs and model.device.type == "cuda" and static is None

@@ -10,7 +10,7 @@ from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.models.config import ConfigFacts, ModelConfig
 from compiledllm.models.head import head_logits
 from compiledllm.models.layers import DecoderLayer, RMSNorm, Rotary
-from compiledllm.policies.plan import Forward
+from compiledllm.policies.plan import Forward, route_groups
 from compiledllm.profiling import phase
 
 
@@ -65,12 +65,15 @@ class BlockDiffusionLM(ConfigFacts, nn.Module, ABC):
 
     @torch.no_grad()
     def reference_forward(self, input_ids: torch.Tensor, block_size: int | None = 32) -> torch.Tensor:
-        """No-cache logits [B, L, V]: block-causal from position 0 with an int block_size, bidirectional with None."""
+        """No-cache logits [B, L, V]: block-causal from position 0 with an int block_size, bidirectional with None;
+        a block-routed MoE routes over the model's own routing blocks."""
         input_ids = input_ids.to(self.device)
         B, L = input_ids.shape
         positions = torch.arange(L, device=self.device).expand(B, L)
         rule = BlockCausal(block_size if block_size is not None else L)
-        return self(Forward(input_ids, positions, AttentionSpec(rule), float_logits=True))
+        moe = self.config.moe
+        groups = None if moe is None or moe.route_block is None else route_groups(positions, moe.route_block)
+        return self(Forward(input_ids, positions, AttentionSpec(rule), float_logits=True, route_groups=groups))
 
     @abstractmethod
     def hf_weight_map(self) -> dict[str, torch.Tensor]:

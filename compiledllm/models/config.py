@@ -124,6 +124,10 @@ class MoEConfig:
     routed_scaling: float = 1.0
     norm_topk_prob: bool = True
     first_dense_layers: int = 0  # layers [0, first_dense_layers) use the dense MLP
+    # block routing (LLaDA2.2; models/block_routing.py): each route group (a block of route_block positions)
+    # admits expert_capacity experts and its tokens pick their top_k among them. None: every token routes alone.
+    expert_capacity: int | None = None
+    route_block: int | None = None
 
     def __post_init__(self) -> None:
         E = check_size("num_experts", self.num_experts)
@@ -143,6 +147,15 @@ class MoEConfig:
         if k > kept * (E // groups):
             raise InvalidConfig(f"{{top_k}}={k} exceeds the {kept * (E // groups)} experts that {{topk_group}}="
                                 f"{kept} of {{n_group}}={groups} groups keep")
+        if self.expert_capacity is not None:
+            C = check_int("expert_capacity", self.expert_capacity, k)  # a block admits at least a token's top_k
+            if C > E:
+                raise InvalidConfig(f"{{expert_capacity}}={C} exceeds {{num_experts}}={E}")
+            if self.route_block is None:
+                raise InvalidConfig("{expert_capacity} needs the routing block's size ({route_block})")
+            check_int("route_block", self.route_block, 1, LIMITS["default_block_size"])
+        elif self.route_block is not None:
+            raise InvalidConfig("{route_block} is set without {expert_capacity}")
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class MoE(nn.Module):
         * Q), or None. groups[r, q] is the route group (the block) of row r's token q, -1 for a dead token; equal
         values in different rows are different groups. This router routes every token alone and ignores them
         (forward() then drops dead tokens' pairs). The extension point: a subclass may choose each group's experts
-        together (tests/policies/block_routed.py restricts a block's tokens to experts admitted per block); where
+        together (models/block_routing.py restricts a block's tokens to the experts admitted per block); where
         groups is given it may also return the id num_experts for a pair that goes to no expert (weight 0)."""
         c = self.cfg
         logits = router_logits(x, self.gate)
@@ -243,6 +243,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
+def moe_layer(dim: int, cfg: MoEConfig) -> MoE:
+    """The MoE a config asks for: block-routed where it sets expert_capacity (LLaDA2.2), else per-token routing."""
+    if cfg.expert_capacity is None:
+        return MoE(dim, cfg)
+    from compiledllm.models.block_routing import BlockRoutedMoE  # it subclasses MoE: imported once MoE exists
+
+    return BlockRoutedMoE(dim, cfg)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -250,7 +259,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, index)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         use_moe = cfg.moe is not None and index >= cfg.moe.first_dense_layers
-        self.mlp = MoE(cfg.hidden_size, cfg.moe) if use_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = moe_layer(cfg.hidden_size, cfg.moe) if use_moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rotary, cos, sin, fwd, kv_layer):
         h = x + self.attn(self.input_norm(x), rotary, cos, sin, fwd, kv_layer)

@@ -1,4 +1,5 @@
-"""LLaDA2.0 / LLaDA2.1 (`LLaDA2MoeModelLM`): fused QKV, q/k norm before partial RoPE, dense first layer, MoE."""
+"""LLaDA2.0 / 2.1 / 2.2 (`LLaDA2MoeModelLM`): fused QKV, q/k norm before partial RoPE, dense first layer, MoE (block-routed
+where config.json sets expert_capacity: models/block_routing.py)."""
 from __future__ import annotations
 
 from compiledllm.models import weights
@@ -12,11 +13,15 @@ MODEL_TYPES = ("llada2_moe",)
 DEFAULTS = {"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32}
 # how config.json spells ModelConfig's and MoEConfig's fields (error messages)
 KEYS = {**HF_DECODER_KEYS, "rotary_dim": "rotary_dim (head_dim * partial_rotary_factor)",
-        "top_k": "num_experts_per_tok", "first_dense_layers": "first_k_dense_replace"}
+        "top_k": "num_experts_per_tok", "first_dense_layers": "first_k_dense_replace", "route_block": "block_size"}
 
 
 def parse_config(c: dict) -> ModelConfig:
-    fields = hf_decoder_fields(c, rope_theta=600000.0, block_size=DEFAULTS["block_size"])
+    # LLaDA2.2's block routing: on exactly when config.json has expert_capacity (as SGLang's PR #31768 reads it),
+    # over blocks of config.json's block_size, which is then also the policies' default block
+    capacity = get_int(c, "expert_capacity", None)
+    block = DEFAULTS["block_size"] if capacity is None else get_int(c, "block_size", DEFAULTS["block_size"])
+    fields = hf_decoder_fields(c, rope_theta=600000.0, block_size=block)
     rotary = get_float(c, "partial_rotary_factor", 0.5)
     if rotary > 1:
         raise InvalidConfig(f"{{partial_rotary_factor}} must be in (0, 1], got {rotary:g}")
@@ -30,6 +35,7 @@ def parse_config(c: dict) -> ModelConfig:
             routed_scaling=get_float(c, "routed_scaling_factor", 1.0),
             norm_topk_prob=get_bool(c, "norm_topk_prob", True),
             first_dense_layers=get_int(c, "first_k_dense_replace", 0, minimum=0),
+            expert_capacity=capacity, route_block=None if capacity is None else fields["default_block_size"],
         ),
     )
 

@@ -157,3 +157,44 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
     wsum = total + 1e-20 if NORM else 1.0
     for j in tl.static_range(TOPK):
         tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+
+
+@triton.jit
+def block_max_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, E: tl.constexpr):
+    """Block routing, phase 1 (models/block_routing.py): agg[group(t)] = max over its live tokens t of the biased
+    scores sigmoid(logits[t]) + bias (agg starts at -inf; a dead token, group -1, adds nothing). Max is order-free,
+    so the atomics give the same bits whatever order they run in."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.load(group_ptr + t)
+    if g < 0:
+        return
+    e = tl.arange(0, E)
+    biased = tl.sigmoid(tl.load(logits_ptr + t * E + e)) + tl.load(bias_ptr + e)
+    tl.atomic_max(agg_ptr + g * E + e, biased, sem="relaxed")
+
+
+@triton.jit
+def block_pick_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
+                      CAPACITY: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+    """Block routing, phase 2 for one token: its group's CAPACITY experts with the largest aggregate (ties -> lower
+    id), then its TOPK best biased scores among them (ties -> lower id), weights from the unbiased scores."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.maximum(tl.load(group_ptr + t), 0)  # a dead token picks from group 0: its pairs are dropped anyway
+    e = tl.arange(0, E)
+    agg = tl.load(agg_ptr + g * E + e)
+    admitted = tl.zeros((E,), dtype=tl.int32)
+    for _ in range(CAPACITY):  # a loop, not unrolled: CAPACITY may be every expert
+        _, best = first_max(tl.where(admitted > 0, float("-inf"), agg), e, E)
+        admitted = tl.where(e == best, 1, admitted)
+    score = tl.sigmoid(tl.load(logits_ptr + t * E + e))
+    biased = tl.where(admitted > 0, score + tl.load(bias_ptr + e), float("-inf"))
+    rank = tl.full((E,), -1, dtype=tl.int32)  # the picks stay in registers (route_kernel says why)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
+        rank = tl.where(e == best, j, rank)
+        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
+        total += tl.sum(tl.where(e == best, score, 0.0))
+    wsum = total + 1e-20 if NORM else 1.0
+    for j in tl.static_range(TOPK):
+        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)

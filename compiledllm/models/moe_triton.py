@@ -13,7 +13,7 @@ many row tiles that run in parallel and re-read its weights from L2. Six launche
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
 A pair whose id is >= E (MoE.assign gives a dead token's pairs the id E) is skipped: it is not counted or
 placed, so no expert kernel reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k,
-weights) is one more kernel. Static shapes (the grid covers the most row tiles any routing can need; spare
+weights) is one more kernel; block routing's two phases (models/block_routing.py) two more. Static shapes (the grid covers the most row tiles any routing can need; spare
 programs return at once), no host sync: it compiles and captures.
 Triton is imported lazily (CPU installs have none); `available()` says whether this path can run.
 """
@@ -124,6 +124,47 @@ def route_supported(x: torch.Tensor, experts: int, n_group: int) -> bool:
     experts (on the H200 a run with groups of 4 chose other experts than torch; not resolved, so excluded)."""
     pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
     return x.is_cuda and pow2(experts) and pow2(n_group) and experts // n_group >= 16 and available()
+
+
+# Warps of the block router's kernels: each token's program runs ~capacity + top_k dependent max reductions over
+# the E experts, and with one warp a reduction is register shuffles only (no shared memory, no barrier).
+BLOCK_ROUTE_WARPS = 1
+
+
+@torch.library.custom_op("compiledllm::moe_block_route", mutates_args=())
+def moe_block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, capacity: int, top_k: int,
+                    norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block routing (models/block_routing.py): router logits [T, E] float32, groups [T] int64 (a dense group index
+    in [0, T), -1 = a dead token) -> (expert ids [T, k] int64, weights [T, k] float32)."""
+    return block_route_launch(logits, bias, groups, capacity, top_k, norm, scaling)
+
+
+def block_route_launch(logits, bias, groups, capacity: int, top_k: int, norm: bool, scaling: float,
+                       warps: int = BLOCK_ROUTE_WARPS):
+    """The op's body (`warps`: benchmark sweeps). Two kernels: the groups' max aggregates (atomic max into
+    [T, E]: a row per possible group, most unused), then each token's admission and top-k."""
+    from compiledllm.models.moe_kernels import block_max_kernel, block_pick_kernel
+
+    T, E = logits.shape
+    agg = torch.full((max(T, 1), E), float("-inf"), dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if T:
+        block_max_kernel[(T,)](logits, bias, groups, agg, E=E, num_warps=warps)
+        block_pick_kernel[(T,)](logits, bias, groups, agg, ids, w, scaling, E=E, CAPACITY=capacity, TOPK=top_k,
+                                NORM=norm and top_k > 1, num_warps=warps)
+    return ids, w
+
+
+@moe_block_route.register_fake
+def _(logits, bias, groups, capacity, top_k, norm, scaling):
+    T = logits.shape[0]
+    return logits.new_empty(T, top_k, dtype=torch.long), logits.new_empty(T, top_k)
+
+
+def block_route_supported(x: torch.Tensor, experts: int) -> bool:
+    """The block router needs a power-of-two expert count (Triton block shapes) on CUDA."""
+    return x.is_cuda and experts > 0 and experts & (experts - 1) == 0 and available()
 
 
 @torch.library.custom_op("compiledllm::moe_routed", mutates_args=())

@@ -10,6 +10,10 @@ LLADA2_MINI = {
     "max_position_embeddings": 32768, "tie_word_embeddings": False, "mask_token_id": 156895, "eos_token_id": 156892,
 }
 
+# LLaDA2.2's block routing (models/block_routing.py) at the report's capacity, 48 of 256 experts per 32-token block,
+# on the LLaDA2.0-mini shape: a proxy (LLaDA2.2 ships only as the ~100B flash model, and no mini config is public)
+LLADA2_MINI_BLOCK48 = {**LLADA2_MINI, "expert_capacity": 48, "block_size": 32}
+
 SDAR_8B = {
     "architectures": ["SDARForCausalLM"], "model_type": "sdar", "vocab_size": 151936, "hidden_size": 4096,
     "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -35,5 +39,5 @@ TINY_LLADA2 = {
     "tie_word_embeddings": False, "mask_token_id": 1023, "eos_token_id": 1022,
 }
 
-PRESETS = {"llada2.0-mini": LLADA2_MINI, "llada2.1-mini": LLADA2_MINI, "sdar-8b": SDAR_8B, "llada-8b": LLADA_8B,
+PRESETS = {"llada2.0-mini": LLADA2_MINI, "llada2.1-mini": LLADA2_MINI, "llada2-mini-block48": LLADA2_MINI_BLOCK48, "sdar-8b": SDAR_8B, "llada-8b": LLADA_8B,
            "tiny-random-llada2": TINY_LLADA2}

@@ -55,9 +55,15 @@ class Update:
     state: State
 
 
-def route_groups(positions: torch.Tensor, block: int, live: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, Q] long: each token's block (position // block), -1 where `live` is False (padding, finished rows)."""
-    groups = positions // block
+COPY_STRIDE = 1 << 32  # route-group ids of copy k start at k * COPY_STRIDE: apart from any block's (< 2^24)
+
+
+def route_groups(positions: torch.Tensor, block: int, live: torch.Tensor | None = None, copy: int = 0
+                 ) -> torch.Tensor:
+    """[B, Q] long: each token's block (position // block), -1 where `live` is False (padding, finished rows).
+    copy k > 0: the tokens are copy k of positions another part of the forward also holds (a draft group): their
+    groups are their own, never merged with the originals' (a block-routed MoE admits experts per group)."""
+    groups = positions // block + copy * COPY_STRIDE
     return groups if live is None else torch.where(live, groups, -1)
 
 

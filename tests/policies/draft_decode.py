@@ -1,6 +1,7 @@
 """A test-only two-phase policy shaped like HERALD's step 1: phase "draft" forwards 2 x block tokens - the block and
 a copy of it, both seeing the cached prefix and not each other (QueryGroups) - writes no KV and changes no token,
-and keeps the copy's argmax as a draft; phase "decode" is `threshold` unchanged. So its tokens must be threshold's,
+and keeps the copy's argmax as a draft (the copy is a route group of its own); phase "decode" is `threshold`
+unchanged. So its tokens must be threshold's,
 with two forwards per step, and each draft must equal what the decode phase of the same step predicts."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.policies.base import confidence, logits_view
-from compiledllm.policies.plan import Forward, Update
+from compiledllm.policies.plan import Forward, Update, route_groups
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 
 
@@ -37,8 +38,10 @@ class DraftDecodePolicy(ThresholdPolicy):
         see = 1 << torch.arange(2, dtype=torch.int32, device=idx.device)  # [0b01, 0b10], made on the device
         spec = AttentionSpec(QueryGroups(group, see), prefix_len=st.block_start)
         copy = torch.arange(Bk, 2 * Bk, device=idx.device).expand_as(idx)
+        live = st.active[:, None].expand_as(idx)
+        groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, live, copy=1)], dim=1)
         return Forward(tokens.repeat(1, 2), idx.repeat(1, 2), spec, kv_write=torch.full_like(idx, -1).repeat(1, 2),
-                       logits_at=copy, logits_rows=self.needed(tokens, gen, st.policy))
+                       logits_at=copy, logits_rows=self.needed(tokens, gen, st.policy), route_groups=groups)
 
     def update(self, phase, st, fwd, logits):
         if phase == "draft":

@@ -2,6 +2,8 @@
 (QueryGroups: block and copy see the prefix, not each other; no KV written) before threshold's forward."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from checkpoints import write_checkpoint
@@ -10,6 +12,7 @@ from draft_decode import DraftDecodeConfig, DraftDecodePolicy
 import compiledllm
 from compiledllm.engine import Engine, EngineConfig, generate
 from compiledllm.policies import register_policy
+from compiledllm.policies.plan import COPY_STRIDE
 
 register_policy("draft_decode", DraftDecodeConfig, DraftDecodePolicy)
 
@@ -29,6 +32,24 @@ def test_draft_phase_changes_nothing_and_predicts_the_decode(model):
     assert [r.output_ids for r in both] == [r.output_ids for r in plain]
     assert [r.steps for r in both] == [2 * r.steps for r in plain]  # each step: the draft forward and the decode
     assert engine.policy.mismatches and max(engine.policy.mismatches) == 0
+
+
+def test_block_routed_draft_group_routes_apart(tmp_path):
+    """A block-routed MoE (capacity 3 of 8): the draft copy is a route group of its own (Forward.route_groups copy 1),
+    the tokens are still threshold's and every draft is the decode's argmax."""
+    model = compiledllm.load_model(write_checkpoint(tmp_path, "llada2", 41, expert_capacity=3, block_size=4),
+                                   eos_token_id=0)
+    ps = [[5, 9, 17, 33, 2], [40, 41], [7, 7, 8, 90, 12, 3, 60, 61, 62]]
+    kw = dict(max_new_tokens=10, batch_size=3, max_seq_len=40)
+    plain = generate(model, ps, {"name": "threshold", "block_size": 4, "threshold": 0.6}, **kw)
+    engine = Engine(model, EngineConfig({"name": "draft_decode", "block_size": 4, "threshold": 0.6}, **kw))
+    assert [r.output_ids for r in engine.generate(ps)] == [r.output_ids for r in plain]
+    assert engine.policy.mismatches and max(engine.policy.mismatches) == 0
+    st = SimpleNamespace(seq=torch.full((2, 12), 1), block_start=torch.tensor([4, 8]), prompt_len=torch.tensor([3, 9]),
+                         active=torch.tensor([True, False]), policy=engine.policy.init_state(2, "cpu"))
+    groups = engine.policy.plan("draft", st).route_groups
+    assert groups[0, :4].tolist() == [1] * 4 and groups[0, 4:].tolist() == [1 + COPY_STRIDE] * 4  # the copy apart
+    assert groups[1].tolist() == [-1] * 8  # a finished row routes nowhere
 
 
 def test_two_phase_step_compiled_equals_eager_within_the_recompile_budget(model, compile_kw):

@@ -196,6 +196,24 @@ def test_compiled_equals_eager_and_per_request_statistics(ckpts, compile_kw):
     assert sum(r.extra["down_drafts"] for r in eager) > 0  # the ungated window drafts downstream
 
 
+def test_block_routed_windows_route_each_block_alone(tmp_path):
+    """A block-routed MoE (LLaDA2.2, capacity 3 of 8): a window of W blocks is one forward whose blocks are route
+    groups of their own, so the engine's tokens equal Algorithm 1 over the no-cache forward that routes blocks of
+    positions (the model's reference_forward), batched and alone."""
+    model = compiledllm.load_model(write_checkpoint(tmp_path, "llada2", 3, expert_capacity=3, block_size=4))
+    pol = {"name": "flowblock", "block_size": 4, "window": 3, "spawn": 0.0, "readiness": "before", "threshold": 0.5,
+           "edit_threshold": 0.3, "max_post_steps": 2}
+    prompts, n = [[5, 9, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48]], 14
+    got = [list(r.output_ids) for r in generate(model, prompts, pol, max_new_tokens=n, batch_size=2)]
+    for prompt, tokens in zip(prompts, got):
+        want, st = literal_flowblock(model, prompt, n=n, eos=model.eos_token_id, **literal_kw(pol))
+        assert max(st["widths"]) > 1  # windows of several blocks really ran
+        if tokens != want and st["margin"] < NEAR_TIE:
+            pytest.skip(f"numerical near-tie (margin {st['margin']:.2e})")
+        assert tokens == want
+    assert [list(generate(model, [p], pol, max_new_tokens=n, batch_size=1)[0].output_ids) for p in prompts] == got
+
+
 def test_bidirectional_models_and_bad_settings_are_one_line_errors(tmp_path):
     llada = compiledllm.load_model(write_checkpoint(tmp_path / "l", "llada", 3))
     with pytest.raises(UserError, match="bidirectional"):
