@@ -32,7 +32,8 @@ from compiledllm.errors import UserError
 from compiledllm.export.runtime import EXPORT_FILE, FORMAT, WEIGHTS_FILE
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
-from compiledllm.policies.plan import Forward
+from compiledllm.models.block_routing import block_routed
+from compiledllm.policies.plan import Forward, route_groups
 
 TORCH_OPS = Kernels(attention="torch", moe="grouped_mm")
 
@@ -45,8 +46,10 @@ class WindowForward(nn.Module):
     def forward(self, ids, positions, prefix_len, k_cache, v_cache):
         kv = KVCache(k_cache, v_cache, recording=True)
         spec = AttentionSpec(BlockCausal(self.block), prefix_len=prefix_len)
-        logits = self.model(Forward(ids, positions, spec, kv_write=positions, float_logits=True, kernels=TORCH_OPS),
-                            kv)
+        # a block-routed MoE needs its groups; every row counts (a finished row's are its own groups)
+        groups = route_groups(positions, self.block) if block_routed(self.model) else None
+        logits = self.model(Forward(ids, positions, spec, kv_write=positions, float_logits=True, kernels=TORCH_OPS,
+                                    route_groups=groups), kv)
         return (logits, *kv.recorded())
 
 

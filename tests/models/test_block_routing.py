@@ -314,3 +314,29 @@ def test_captured_and_compiled_steps_equal_eager_on_cuda(ckpts):
     f32 = compiledllm.load_model(ckpts["three"], device="cuda", dtype=torch.float32)
     assert run(f32, compile=True, cuda_graphs=True) == run(f32, cuda_graphs=False)
     assert math.isfinite(bf16.reference_forward(torch.tensor([PROMPTS[0]]), BLOCK).float().sum().item())
+
+
+@pytest.mark.slow
+def test_an_exported_block_routed_engine_decodes_the_eager_tokens(ckpts, tmp_path):
+    """Export traces the window forward with its route groups; the exported engine (the model kind with static
+    shapes) keeps the routing block and decodes the live model's tokens."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from compiledllm.cli import app
+
+    recipe = {"model": {"path": str(ckpts["three"])}, "policy": POLICY, "generation": {"max_new_tokens": 9,
+              "max_seq_len": 32}, "prompts": [{"ids": p} for p in PROMPTS[:2]], "batch_size": 2, "buckets": [2],
+              "output": str(tmp_path / "eager.jsonl")}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "exp")])
+    assert res.exit_code == 0, res.output
+    for name, extra in (("eager", []), ("aoti", ["--set", f"model.path={tmp_path / 'exp'}", "--trust-exported"])):
+        res = runner.invoke(app, ["run", str(tmp_path / "r.yaml"), *extra, "--set", f"output={tmp_path / name}.jsonl"])
+        assert res.exit_code == 0, res.output
+    rows = [[json.loads(r)["output_ids"] for r in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+            for n in ("eager", "aoti")]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
+    exported = compiledllm.load_model(str(tmp_path / "exp"), trust_exported=True)
+    assert exported.config.moe.route_block == BLOCK and block_routed(exported)
