@@ -150,7 +150,7 @@ if has selection; then  # build, the CPU selection tests (AMX ones fail, not ski
 fi
 if has session; then  # issue 26: captured sessions, the demonstrations' captured steps, the engine's GPU tests
   timeout ${SESSION_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu ${SESSION_TESTS:-tests/engine/test_session.py \
-    tests/policies/test_sparse_pool.py tests/policies/test_prefix_cache.py tests/policies/test_block_routed.py \
+    tests/policies/test_sparse_pool.py tests/policies/test_prefix_cache.py tests/models/test_block_routing.py \
     tests/models/test_route_groups.py tests/engine/test_gpu_engine.py} -p no:cacheprovider 2>&1 \
     | tee "$OUT/session_gpu_tests.log" | tail -8
 fi
