@@ -10,7 +10,9 @@
 # attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS),
 # session (issue 26's GPU tests: sessions, policy-owned KV, hooks, route groups, block routing, captured), e2evs
 # (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS), serve (issue 30:
-# compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py)
+# compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py),
+# blockroute (LLaDA2.2 block routing: tests/models/test_block_routing.py's GPU tests, tools/bench/bench_block_routing.py
+# (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -173,4 +175,15 @@ if has serve; then  # issue 30: the engine in-process (compiledllm bench) and be
   timeout ${SOAK_TIMEOUT:-330} $L --soak --time-limit ${SOAK_LIMIT:-280} --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
     --prompt-tokens 32 --out "$OUT/load_gpu_soak.json" 2>&1 | tail -14
   kill -TERM $SPID; wait $SPID; echo "server exit code $?"; tail -3 /tmp/serve.out
+fi
+if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alone, then end to end (standard vs block 48)
+  timeout ${BLOCKROUTE_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/models/test_block_routing.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
+  timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
+    ${BLOCKROUTE_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
+  for r in ${BLOCKROUTE_RECIPES:-bench_block48_standard bench_block48}; do
+    timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
+      --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/e2e_$r.log" | tail -8
+  done
 fi

@@ -1,0 +1,196 @@
+"""LLaDA2.2's block routing against standard per-token routing: one MoE layer alone (router + routed experts; no
+shared expert, which runs on every token the same under both routings), bf16 on CUDA.
+
+Two shapes: LLaDA2.0-mini's MoE (dim 2048, expert width 512, 256 experts, top 8, 8 groups / 4 kept) and a
+"LLaDA2.2-flash-shaped, one layer" MoE (dim 4096, width 1024, 256 experts, top 8); random weights and router.
+Batch B rows x one 32-token block each (route groups: every token of a row in its row's block 0). Standard
+routing is the plain MoE, backend "auto" (the Triton router and experts); block routing is
+BlockRoutedMoE.adopt of the same MoE (the same weights) at capacity 48, route block 32.
+
+Inputs: every token its own random vector, so standard routing spreads like a trained load-balanced router's
+(distinct experts per block ~ the uniform expectation E * (1 - (1 - k/E)^n), both are reported) rather than
+collapsing a block onto a few experts, which would flatter block routing. Experts read per layer = the distinct
+experts across the forward (the union over blocks). Bytes = those experts' weights + the router's gate + the
+activations in and the k partial outputs out (bench_moe.py's count); roofline time = bytes / the HBM rate
+measured in the same run. Times: the whole MoE forward, the router alone (route(): gate GEMM + routing op) and the
+experts alone, each the median of CUDA-graph replays. On CUDA the Triton block router is also checked against the
+torch block_route on the same logits (ids equal, weights allclose).
+
+    python tools/bench/bench_block_routing.py --out docs/results/bench_block_routing_h200.json
+    python tools/bench/bench_block_routing.py --cpu-smoke --out /tmp/x.json   # tiny shape, torch path, eager
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from gpu_timing import ceilings, graph_ms
+from compiledllm.models import moe_triton
+from compiledllm.models.block_routing import BlockRoutedMoE, block_route, group_index
+from compiledllm.models.config import MoEConfig
+from compiledllm.models.layers import MoE, router_logits
+from compiledllm.models.routing import expected_touched
+
+BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    label: str
+    dim: int
+    cfg: MoEConfig
+
+
+def moe_cfg(experts: int, top_k: int, width: int, groups: int, kept: int) -> MoEConfig:
+    return MoEConfig(num_experts=experts, top_k=top_k, expert_dim=width, num_shared=0, n_group=groups,
+                     topk_group=kept, routed_scaling=2.5, norm_topk_prob=True)
+
+
+SHAPES = {"mini": Shape("mini", "LLaDA2.0-mini MoE", 2048, moe_cfg(256, 8, 512, 8, 4)),
+          "flash": Shape("flash", "LLaDA2.2-flash-shaped, one layer", 4096, moe_cfg(256, 8, 1024, 8, 4))}
+SMOKE = Shape("smoke", "cpu smoke (tiny)", 64, moe_cfg(16, 4, 32, 4, 2))
+
+
+def build(shape: Shape, device: str) -> MoE:
+    with torch.device(device):
+        moe = MoE(shape.dim, shape.cfg).to(torch.bfloat16)
+    moe.expert_bias = moe.expert_bias.float()  # router state stays float32, as a loaded model keeps it
+    with torch.no_grad():
+        for p in (moe.gate, moe.w_gate_up, moe.w_down):
+            p.normal_(std=shape.dim ** -0.5)  # router logits of std ~1 for unit-RMS tokens
+    return moe
+
+
+def eager_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def touched(ids: torch.Tensor, experts: int, rows: int) -> tuple[list[int], int]:
+    """Distinct experts of each row's block and of the whole forward (id `experts`: a pair to no expert)."""
+    per_block = [int(torch.unique(r[r < experts]).numel()) for r in ids.view(rows, -1)]
+    return per_block, int(torch.unique(ids[ids < experts]).numel())
+
+
+@torch.no_grad()
+def measure(moe: MoE, x: torch.Tensor, groups: torch.Tensor, timer: Callable[[Callable[[], object]], float],
+            hbm: float | None) -> dict:
+    """One (shape, batch, routing) record: x [rows, BLOCK, D], groups [rows, BLOCK]."""
+    c, (rows, q, D) = moe.cfg, x.shape
+    flat = x.view(-1, D)
+    ids, w = moe.assign(flat, "auto", groups)
+    per_block, union = touched(ids, c.num_experts, rows)
+    weight_bytes = union * 3 * D * c.expert_dim * 2 + c.num_experts * D * 2  # experts read + the router's gate
+    nbytes = weight_bytes + rows * q * D * 2 * (1 + c.top_k)  # + x in, the k partial outputs out (as bench_moe)
+    triton = (moe_triton.supports(flat, moe.w_gate_up, moe.w_down)
+              and moe_triton.auto_uses_triton(ids.numel(), c.num_experts))  # what backend "auto" runs here
+    rec = {"routing": "block" if c.expert_capacity else "standard", "capacity": c.expert_capacity,
+           "batch": rows, "tokens": rows * q, "experts_backend": "triton" if triton else "grouped_mm",
+           "experts_per_block_mean": sum(per_block) / rows, "experts_per_block_max": max(per_block),
+           "experts_per_forward": union,
+           "uniform_per_block": expected_touched(c.num_experts, c.top_k, q),
+           "uniform_per_forward": expected_touched(c.num_experts, c.top_k, rows * q),
+           "weight_bytes": weight_bytes, "bytes": nbytes,
+           "forward_ms": timer(lambda: moe(x, "auto", groups)),
+           "router_ms": timer(lambda: moe.route(flat, "auto", groups)),
+           "experts_ms": timer(lambda: moe._routed(flat, ids, w, "auto", skip=True))}
+    rec["gb_per_s"] = nbytes / rec["forward_ms"] / 1e6
+    if hbm:
+        rec["roofline_ms"] = nbytes / hbm * 1e3
+        rec["hbm_share"] = rec["roofline_ms"] / rec["forward_ms"]
+    return rec
+
+
+@torch.no_grad()
+def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict:
+    """The Triton block router against the torch block_route on the same logits."""
+    c = moe.cfg
+    logits = router_logits(x.view(-1, x.shape[-1]), moe.gate)
+    index = torch.where(groups.reshape(-1) >= 0, group_index(groups), -1)
+    ids, w = torch.ops.compiledllm.moe_block_route(logits, moe.expert_bias, index, c.expert_capacity, c.top_k,
+                                                   c.norm_topk_prob, c.routed_scaling)
+    ref_ids, ref_w = block_route(logits, moe.expert_bias, groups, c)
+    return {"ids_equal": bool(torch.equal(ids, ref_ids)),
+            "tokens_with_other_ids": int((ids != ref_ids).any(-1).sum()),
+            "weights_allclose": bool(torch.allclose(w, ref_w, rtol=1e-5, atol=1e-5)),
+            "weights_max_abs_diff": float((w - ref_w).abs().max())}
+
+
+def table(records: list[dict]) -> None:
+    print(f"\n{'shape':>6} {'B':>3} {'routing':>8} {'exp/blk':>11} {'exp/fwd':>7} {'unif/fwd':>8} {'weight MB':>9} "
+          f"{'fwd ms':>8} {'router ms':>9} {'experts ms':>10} {'GB/s':>6} {'%HBM':>5} {'speedup':>7}")
+    for r in records:
+        blk = f"{r['experts_per_block_mean']:.1f}/{r['experts_per_block_max']}"
+        pct = f"{r['hbm_share']:5.0%}" if "hbm_share" in r else f"{'-':>5}"
+        up = f"{r['speedup']:6.2f}x" if "speedup" in r else f"{'':>7}"
+        print(f"{r['shape']:>6} {r['batch']:>3} {r['routing']:>8} {blk:>11} {r['experts_per_forward']:>7} "
+              f"{r['uniform_per_forward']:8.1f} {r['weight_bytes'] / 1e6:9.1f} {r['forward_ms']:8.3f} "
+              f"{r['router_ms']:9.3f} {r['experts_ms']:10.3f} {r['gb_per_s']:6.0f} {pct} {up}")
+    print("exp/blk: distinct experts per 32-token block, mean/max; exp/fwd: per forward (the union, read per layer);"
+          " unif/fwd: uniform routing's expectation; speedup: standard fwd ms / block fwd ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="mini,flash", help=f"of {','.join(SHAPES)}")
+    ap.add_argument("--batches", default="1,8,32", help="rows of one 32-token block each")
+    ap.add_argument("--capacity", type=int, default=None, help="experts a block admits (default 48; smoke 6)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: torch path, eager timing")
+    ap.add_argument("--out", default="docs/results/bench_block_routing.json")
+    args = ap.parse_args(argv)
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("bench_block_routing: needs CUDA (or --cpu-smoke)")
+    device = "cpu" if smoke else "cuda"
+    capacity = args.capacity or (6 if smoke else 48)
+    shapes = [SMOKE] if smoke else [SHAPES[s] for s in args.shapes.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    ceil = None if smoke else ceilings()
+    timer = eager_ms if smoke else graph_ms
+    records, checks = [], []
+    for shape in shapes:
+        torch.manual_seed(0)  # weights and tokens: the same experts touched in every run
+        standard = build(shape, device)
+        blocked = BlockRoutedMoE.adopt(standard, dataclasses.replace(shape.cfg, expert_capacity=capacity,
+                                                                     route_block=BLOCK))
+        for batch in batches:
+            x = torch.randn(batch, BLOCK, shape.dim, device=device).to(torch.bfloat16)  # each token its own vector
+            groups = torch.zeros(batch, BLOCK, dtype=torch.long, device=device)  # one block per row: block 0
+            pair = [measure(m, x, groups, timer, ceil and ceil["hbm_bytes_per_s"]) for m in (standard, blocked)]
+            pair[1]["speedup"] = pair[0]["forward_ms"] / pair[1]["forward_ms"]
+            for r in pair:
+                r |= {"shape": shape.name, "label": shape.label}
+                print(json.dumps(r), flush=True)
+            records += pair
+            if not smoke:
+                checks.append({"shape": shape.name, "batch": batch, **check_op(blocked, x, groups)})
+                print("Triton moe_block_route vs torch block_route:", json.dumps(checks[-1]), flush=True)
+        del standard, blocked
+    out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
+           "block": BLOCK, "capacity": capacity, "shared_expert": "excluded (runs on every token either way)",
+           "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
+           "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    for c in checks:
+        print(f"op check {c['shape']} B={c['batch']}: ids equal {c['ids_equal']}, weights allclose "
+              f"{c['weights_allclose']} (max |diff| {c['weights_max_abs_diff']:.2e})")
+    table(records)
+
+
+if __name__ == "__main__":
+    main()
