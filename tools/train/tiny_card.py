@@ -27,30 +27,80 @@ def _arch(c: dict, kind: str) -> str:
             f"bidirectional attention, untied head; context {c['max_sequence_length']} tokens.")
 
 
+def _routing(c: dict) -> str:
+    """Block routing's sentence of the architecture (empty without it)."""
+    if c.get("expert_capacity") is None:
+        return ""
+    return (f" Block-routed (LLaDA2.2; config.json `expert_capacity` {c['expert_capacity']}, `block_size` "
+            f"{c['block_size']}): each {c['block_size']}-position block admits the {c['expert_capacity']} of "
+            f"{c['num_experts']} experts with the largest biased router score over its tokens (max), and each token "
+            f"takes its top-{c['num_experts_per_tok']} among them, so a decoded block reads at most "
+            f"{c['expert_capacity']} experts' weights; the group-limited step (n_group / topk_group) does not apply "
+            f"under block routing. Decode it with block {c['block_size']} (the engine refuses other block sizes).")
+
+
+def _finetune(results: dict) -> str:
+    """The fine-tune paragraph below the title (empty for a run from scratch)."""
+    src, c, t = results.get("init_from"), results["config"], results["training"]
+    if src is None:
+        return ""
+    what = (f"with block routing at capacity {c['expert_capacity']} of {c['num_experts']} experts"
+            if c.get("expert_capacity") is not None else "with its routing unchanged")
+    return f"""
+Fine-tuned from `{src['name']}` (`{src['path']}`) for {t['steps']} steps {what}: the checkpoint's weights and
+tokenizer, a fresh optimizer and learning-rate schedule, the same training data and split as its run (files held
+out by the same sha1 rule, generated items of the evaluation share never trained on), and no curriculum (the final
+window mix and long steps from step {t['shapes']['long_from']}: the checkpoint had been through it). Its task files
+and figures below are comparable with `{src['name']}`'s on the same files (`compiledllm eval`).
+"""
+
+
 def _objective(results: dict) -> str:
     o, sh = results["args"]["objective"], results["training"]["shapes"]
     if o["kind"] == "bd":
         return f"""Block diffusion (LLaDA2 / BD3-LM) with LLaDA2.1 token-to-token editing: the clean window x0 and a noisy copy
 x_t are forwarded together under the block-diffusion mask (noisy block i sees noisy block i and clean blocks < i;
 clean block i sees clean blocks <= i), block size per window from {{{', '.join(map(str, o['block_sizes']))}}}
-({o['p_bidir']:.0%} of code windows of short steps as one bidirectional block), masking ratio t ~ U(0, 1) per block;
+({_bidir(results)}), masking ratio t ~ U(0, 1) per block;
 {o['p_t2t']:.0%} of windows also get a share r ~ U(0, {o['max_corrupt']}) of their visible trainable tokens replaced by
 random tokens, which the model learns to put right. Loss: cross entropy on the noisy copy, weight 1 on masked and
 replaced tokens, {o['keep_weight']} on the other trainable ones, {o['pad_weight']} on the EOS padding after answers;
 task prompts, tables and filler are context only.
 
-Length curriculum: steps before {sh['long_from']} are short ({sh['short_batch']} x {sh['short_len']}-token windows,
-every position noisy: {2 * sh['short_len']} tokens a row). From step {sh['long_from']} every {sh['long_every']}nd step is
-long: {sh['long_batch']} x {sh['long_len']}-token windows of retrieval / variable-binding samples of {results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}
+{_length_steps(sh)}long: {sh['long_batch']} x {sh['long_len']}-token windows of retrieval / variable-binding samples of {results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}
 tokens (log-uniform), whose noisy copy holds only the blocks with answers plus random other blocks,
 {o['noisy_cap']} tokens (the blocks without an answer weigh {o.get('other_weight', 1.0)}): {sh['long_len'] + o['noisy_cap']} tokens a row
 instead of {2 * sh['long_len']}, and exactly the decode's situation (a long clean prompt, one block being decoded
-after it). The lookup mechanism is learnt at <= 1K tokens of distance first, where it is cheap, then at
-{results['data']['mix']['long_len'][0]}-{results['data']['mix']['long_len'][1]}. Training attention: {results['training']['attention']}."""
+after it).{_lookup_order(results) if sh['long_from'] else ''} Training attention: {results['training']['attention']}."""
     return f"""Masked diffusion (LLaDA): each {sh['short_len']}-token window is masked with one ratio t ~ U(0, 1), fully
 bidirectional attention, no block mask (SDPA's flash kernel). Code windows mask any token; task windows mask only
 the references, the EOS after them and the EOS padding (weight {o['pad_weight']}) after that (LLaDA's SFT masking),
 prompts stay visible. Cross entropy on the masked tokens."""
+
+
+def _lookup_order(results: dict) -> str:
+    lo, hi = results["data"]["mix"]["long_len"]
+    return f" The lookup mechanism is learnt at <= 1K tokens of distance first, where it is cheap, then at\n{lo}-{hi}."
+
+
+def _length_steps(sh: dict) -> str:
+    """The objective's sentence on short and long steps, up to its "long:"."""
+    if sh["long_from"] == 0:
+        return (f"No length curriculum: the steps are short ({sh['short_batch']} x {sh['short_len']}-token windows, "
+                f"every position noisy: {2 * sh['short_len']} tokens a row),\nand every {sh['long_every']}nd step "
+                "from step 0 is ")
+    return (f"Length curriculum: steps before {sh['long_from']} are short ({sh['short_batch']} x {sh['short_len']}-token "
+            f"windows,\nevery position noisy: {2 * sh['short_len']} tokens a row). From step {sh['long_from']} every "
+            f"{sh['long_every']}nd step is\n")
+
+
+def _bidir(results: dict) -> str:
+    o = results["args"]["objective"]
+    if results["config"].get("expert_capacity") is None:
+        return f"{o['p_bidir']:.0%} of code windows of short steps as one bidirectional block"
+    return ("block 32 only, no bidirectional windows: a block-routed model is decoded with its routing block, 32, "
+            "and every training forward routes its tokens in those blocks, the clean copy's blocks as groups of their "
+            "own, as the decode's forwards do")
 
 
 def _curriculum(mix: dict) -> str:
@@ -141,7 +191,7 @@ def summary_table(results: dict) -> str:
 
     t, tasks = results["training"], results.get("tasks", {})
     final = t.get("final", {})
-    title = (f"{results['kind']}: {t['steps']} steps, {t['tokens_seen'] / 1e6:.0f}M tokens, {t['wall_s']:.0f} s "
+    title = (f"{_title(results)}: {t['steps']} steps, {t['tokens_seen'] / 1e6:.0f}M tokens, {t['wall_s']:.0f} s "
              f"training on {results['device_name']}; held-out code masked loss {final.get('held_masked_loss', float('nan')):.2f}")
     tab = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
     for col in ("task file", "n", "EM .95", "EM .9", "tpf .9", "t2t EM", "t2t edit blk/fix", "needle full>hid",
@@ -172,6 +222,18 @@ def summary_table(results: dict) -> str:
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
 
 
+def _title(results: dict) -> str:
+    c = results["config"]
+    if c.get("expert_capacity") is None:
+        return results["kind"]
+    return f"{results['kind']}, block-routed ({c['expert_capacity']} of {c['num_experts']} experts a block)"
+
+
+def _tokenizer_note(results: dict) -> str:
+    src = results.get("init_from")
+    return "" if src is None else f" (this is `{src['name']}`'s, unchanged)"
+
+
 def model_card(results: dict) -> str:
     kind, c, d, t = results["kind"], results["config"], results["data"], results["training"]
     mix, a = d["mix"], results["args"]
@@ -186,17 +248,18 @@ def model_card(results: dict) -> str:
                  if t["tokens_forwarded"] != t["tokens_seen"] else "")
     news = sorted(r["max_new_tokens"] for r in results.get("tasks", {}).values() if "max_new_tokens" in r)
     new_range = f", {news[0]}-{news[-1]} here" if news else ""
+    first = "first " if results.get("init_from") else ""  # then fine-tuned (_finetune)
     repro = (f" (a wall-clock stop: `--steps {t['steps']}` runs as many steps but decays the learning rate over their "
              "last part, so it is not this run's schedule)" if t["stopped_by"] == "wall clock" else "")
-    return f"""# {kind}
+    return f"""# {_title(results)}
 
-A small {'block' if kind == 'tiny-llada2.1' else 'masked'}-diffusion language model trained from scratch by
+A small {'block' if kind == 'tiny-llada2.1' else 'masked'}-diffusion language model {first}trained from scratch by
 `tools/train/train_tiny.py --kind {kind}` on the Python standard library mixed with generated tasks whose answers are
 exact (arithmetic, list sorting / reversing / copying, key -> value retrieval over long context, variable binding
 in code), so that compiledllm's decoding policies have a checkpoint whose quality can move.
-
+{_finetune(results)}
 ## Architecture
-{_arch(c, kind)} Vocabulary {c['vocab_size']} (byte-level BPE, every digit its own token).
+{_arch(c, kind)}{_routing(c)} Vocabulary {c['vocab_size']} (byte-level BPE, every digit its own token).
 {results['parameters']:,} parameters, stored in bfloat16 ({results['weights_bytes'] / 1e6:.1f} MB).
 Special tokens: `<|endoftext|>` (EOS, id {D.EOS}), `<|pad|>` ({D.PAD}), `<|mask|>` ({D.MASK}). The model was never
 chat-tuned.
@@ -204,7 +267,7 @@ chat-tuned.
 ## Data and split
 `*.py` files under the training interpreter's stdlib (Python {d['python']}, `{d['root']}`): {d['files']} files, split by
 sha1(relative path) (held out: {d['held_files']} files, never trained on; training: {d['train_files']} files,
-{d['train_tokens']:,} tokens). The tokenizer was trained on the training files only. Mixed with `tools/train/synth_tasks.py`'s
+{d['train_tokens']:,} tokens). The tokenizer was trained on the training files only{_tokenizer_note(results)}. Mixed with `tools/train/synth_tasks.py`'s
 generators in windows (`tools/train/tiny_mix.py`): short steps draw each window as code ({mix['shares'][0]:.0%}),
 packed short tasks ({mix['shares'][1]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['short_kinds'])}) or packed
 lookup samples of {mix['lookup_len'][0]}-{mix['lookup_len'][1]} tokens ({mix['shares'][2]:.0%}: {', '.join(f'{k} {w:.0%}' for k, w in mix['lookup_kinds'])});

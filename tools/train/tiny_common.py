@@ -70,8 +70,26 @@ def bd_logits(model, xt: torch.Tensor, x0: torch.Tensor, bid: torch.Tensor) -> t
     B, L = x0.shape
     pos = torch.arange(L, device=x0.device).repeat(2)[None].expand(B, 2 * L)
     idx = torch.arange(L, device=x0.device)[None].expand(B, L)
+    block, clean = route_block(model), torch.arange(2 * L, device=x0.device)[None] >= L  # [x_t ; x0]
+    groups = None if block is None else bd_route_groups(pos, torch.ones_like(clean), clean, block, -(-L // block))
     return model(Forward(torch.cat([xt, x0], 1), pos, AttentionSpec(ExplicitMask(bd_mask(bid))), logits_at=idx,
-                         float_logits=True))
+                         float_logits=True, route_groups=groups))
+
+
+def route_block(model) -> int | None:
+    """The routing block of a block-routed model (models/block_routing.py), else None."""
+    moe = getattr(model.config, "moe", None)
+    return None if moe is None else moe.route_block
+
+
+def bd_route_groups(positions: torch.Tensor, live: torch.Tensor, clean: torch.Tensor, block: int, n_blocks: int
+                    ) -> torch.Tensor:
+    """Forward.route_groups [B, N] of a training forward over both copies, for a block-routed model: each token's
+    block (position // block), the clean copy's offset by n_blocks (the window's block count), -1 where not `live`
+    (dummy slots). A clean block and the noisy copy of it are two groups because at inference they are two
+    forwards: the clean block was routed alone when it was prefilled or committed, the noisy one is the block
+    being decoded."""
+    return torch.where(live, positions // block + clean * n_blocks, -1)
 
 
 def build_model(cfg: dict, device, seed: int):

@@ -8,9 +8,10 @@ Attention rules a training Forward may carry (the model's layers call `attend`, 
             tokens clean). On CUDA FlexAttention with a block mask (compiled once per shape; only the tiles the
             mask keeps are computed: a long window's clean part is block-causal, so about half); on the CPU, or if
             FlexAttention fails, SDPA with the dense boolean mask.
-MoE: routing always takes the torch path (its weights carry the router's gradient) and counts each expert's load
-for the bias balancing; on CUDA the experts run as bf16 torch._grouped_mm over expert groups padded to 16 rows
-(static shapes, no host sync), checked against a plain loop at start-up (a per-expert loop if the check fails).
+MoE: routing always takes the torch path (its weights carry the router's gradient; a block-routed MoE's own, with
+the forward's route groups) and counts each expert's load for the bias balancing; on CUDA the experts run as bf16
+torch._grouped_mm over expert groups padded to 16 rows (static shapes, no host sync), checked against a plain loop
+at start-up (a per-expert loop if the check fails).
 """
 from __future__ import annotations
 
@@ -132,14 +133,17 @@ def training_attention():
 
 def attach_load_counters(model, backend: str | None = None) -> list[MoE]:
     """Record each MoE layer's expert choices (eager sparse path) for the bias balancing; `backend` forces the
-    routing path (None: the forward's)."""
+    routing path (None: the forward's). The layer's own router runs (a BlockRoutedMoE's: the loads are those of
+    the block-routed assignment), and dead tokens (route group -1: dummy slots) count for no expert: their pairs
+    never run (MoE.assign), so balancing towards them would skew the bias."""
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     for m in moes:
         def route(x, fwd_backend="auto", groups=None, m=m):
-            ids, w = MoE.route(m, x, backend or fwd_backend, groups)
+            ids, w = type(m).route(m, x, backend or fwd_backend, groups)
             flat = ids.flatten()  # scatter_add rather than bincount: no host sync
-            m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
+            live = torch.ones_like(flat) if groups is None else \
+                (groups.reshape(-1, 1) >= 0).expand_as(ids).flatten().long()
+            m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, live)
             return ids, w
         m.route = route
     return moes
@@ -234,5 +238,13 @@ def attach_moe_training(model, log=print) -> list[MoE]:
         log("MoE: padded grouped GEMM disagrees with the loop; using the per-expert loop")
         fn = looped
     for m in moes:
-        m._routed = lambda x, ids, w, backend="auto", m=m: fn(m, x, ids, w)
+        m._routed = routed_with(fn, m)
     return moes
+
+
+def routed_with(fn, m: MoE):
+    """m._routed through fn. A forward with route groups sends a dead token's pairs to the id num_experts with
+    weight 0 (MoE.assign), which fn's expert counts have no bin for: they go to the last expert instead, where
+    their weight 0 makes them add nothing (the dummy tokens' states are finite) and take no gradient."""
+    last = m.cfg.num_experts - 1
+    return lambda x, ids, w, backend="auto", skip=False: fn(m, x, ids.clamp(max=last) if skip else ids, w)

@@ -12,6 +12,17 @@ tiny-llada: LLaDA layout (LLaDAModelLM, bidirectional MHA, model.transformer.*),
 Data (both): tiny_mix.py's windows over the stdlib training files and synth_tasks.py's generators; the mix is
 MixConfig (code / tasks / lookup window shares, with a curriculum over the first steps). Each step's batch is a pure
 function of (seed, step), built by forked worker processes (`loader`, --workers) a few steps ahead.
+Fine-tune (--init-from CHECKPOINT_DIR): the checkpoint's weights and tokenizer, a fresh AdamW and lr schedule, the
+original run's split (check_finetune), and no curriculum (the final window mix, long steps from step 0: the
+checkpoint went through it). Block routing (--expert-capacity C, tiny-llada2.1, LLaDA2.2's: compiledllm/models/
+block_routing.py): every MoE layer routes per route group, which every training forward passes (forward_loss:
+the noisy copy's tokens by their 32-position block, the clean copy's blocks as groups of their own, dummy slots
+nowhere), over windows of block 32 only, the block the inference policies must decode such a model with. The
+"one bidirectional block" code windows are off in this mode: routing them per 32-position block would train a
+routing the decode never sees (it decodes only 32-blocks), and one L-token route group would admit C experts for
+the whole window, which no forward at inference does either. The expert-bias balancing counts the block-routed
+assignment's loads (tiny_fast.attach_load_counters), so the bias still moves towards equal load, now acting on
+which experts a block admits as well as on each token's pick among them.
 Run layout: the task files are written by a forked child while the model trains (TaskWriter); after training, the
 state and the checkpoint are saved (and packaged), then the in-run evaluation (eval_plan / run_eval_plan) fits every
 task file into the time left before --deadline, scaling each file's task count by the seconds measured so far, and
@@ -24,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +51,7 @@ import tiny_mix as M
 import tiny_state
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, ExplicitMask
 from compiledllm.loader import load_model
-from compiledllm.policies.plan import Forward
+from compiledllm.policies.plan import Forward, route_groups
 from compiledllm.save import save_model
 from compiledllm.tokenizer import TextTokenizer
 
@@ -140,24 +151,128 @@ def hf_config(kind: str, preset: str, vocab: int) -> dict:
             **a, "rms_norm_eps": 1e-5, "weight_tying": False, "include_bias": False, **special}
 
 
+# Block routing's block (--expert-capacity): the inference policies must decode a block-routed model with blocks of
+# its routing block (the engine refuses others), so training windows use exactly that block too: other sizes would
+# route other token sets than the decode does.
+ROUTE_BLOCK = 32
+
+
+def check_finetune(args) -> None:
+    """--init-from / --expert-capacity: read the checkpoint's config.json, refuse the options that contradict them.
+    A fine-tune keeps the checkpoint's tokenizer and the original run's file split (--holdout: the shipped
+    tiny-llada2.1's 0.10 by default; a run's own from its results.json beside the checkpoint), so its held-out
+    files and the task files (held-out code; generated items of the evaluation share only) stay unseen."""
+    args.init_config = None
+    if args.init_from is not None:
+        for name in ("config.json", "tokenizer.json"):
+            if not (args.init_from / name).is_file():
+                raise SystemExit(f"--init-from {args.init_from}: no {name} (a checkpoint directory with its tokenizer, "
+                                 "e.g. compiledllm/assets/tiny-llada2.1)")
+        args.init_config = json.loads((args.init_from / "config.json").read_text())
+        want = "llada2_moe" if args.kind == "tiny-llada2.1" else "llada"
+        if args.init_config.get("model_type") != want:
+            raise SystemExit(f"--init-from {args.init_from}: a {args.init_config.get('model_type')} checkpoint; "
+                             f"--kind {args.kind} trains {want}")
+        for flag, value in (("--resume", args.resume), ("--vocab", args.vocab)):
+            if value is not None:
+                raise SystemExit(f"{flag}: not with --init-from (a fresh optimizer and schedule from the checkpoint's "
+                                 "weights, with its tokenizer)")
+        original = args.init_from.parent / "results.json"  # a train_tiny run's OUT/checkpoint
+        if original.is_file():
+            held = json.loads(original.read_text()).get("data", {}).get("holdout", args.holdout)
+            if held != args.holdout:
+                raise SystemExit(f"--holdout {args.holdout}: {args.init_from} was trained with --holdout {held} "
+                                 f"({original}); another split would train on its held-out files")
+        if args.expert_capacity is None:  # a block-routed checkpoint stays block-routed
+            args.expert_capacity = args.init_config.get("expert_capacity")
+    if args.expert_capacity is None:
+        return
+    if args.kind != "tiny-llada2.1":
+        raise SystemExit(f"--expert-capacity: {args.kind} has no MoE layers")
+    if args.resume is not None:
+        raise SystemExit("--resume: not with --expert-capacity (start a block-routed run with --init-from)")
+    if args.p_bidir:
+        raise SystemExit("--p-bidir: block routing trains no bidirectional windows (the model decodes 32-token "
+                         "blocks only: tools/train/train_kinds.py)")
+    args.p_bidir = 0.0
+    c = args.init_config or hf_config(args.kind, args.preset, 0)
+    if not c["num_experts_per_tok"] <= args.expert_capacity <= c["num_experts"]:  # a block admits >= a token's top_k
+        raise SystemExit(f"--expert-capacity {args.expert_capacity}: between the experts a token takes "
+                         f"({c['num_experts_per_tok']}) and the experts there are ({c['num_experts']})")
+
+
+def start_model(args, vocab: int, log) -> tuple[dict, torch.nn.Module]:
+    """(config.json dict, model in training mode): a fresh one, or --init-from's weights; with --expert-capacity
+    block-routed over ROUTE_BLOCK-position blocks (config.json then says expert_capacity and block_size, which is
+    how a loader turns block routing on)."""
+    if args.init_from is None:
+        cfg = hf_config(args.kind, args.preset, vocab)
+        model = C.build_model(cfg, args.device, args.seed)
+    else:
+        cfg = {k: v for k, v in args.init_config.items() if k != "torch_dtype"}  # save_model writes its own
+        model = load_model(args.init_from, device=args.device, dtype=torch.float32)  # the bf16 weights, exactly
+        log(f"weights of {args.init_from} ({checkpoint_name(args.init_from)}); fresh optimizer and schedule")
+    if args.expert_capacity is not None:  # its range: check_finetune
+        from compiledllm.models.block_routing import use_block_routing
+
+        model = use_block_routing(model, args.expert_capacity, ROUTE_BLOCK)
+        cfg |= {"expert_capacity": args.expert_capacity, "block_size": ROUTE_BLOCK}
+        log(f"block routing: each {ROUTE_BLOCK}-position block admits {args.expert_capacity} of "
+            f"{cfg['num_experts']} experts")
+    return cfg, model.requires_grad_(True).train()
+
+
+def checkpoint_name(path: Path) -> str:
+    """A checkpoint's name: its model card's title (`# tiny-llada2.1`), else its directory's name."""
+    card = path / "README.md"
+    first = card.read_text().split("\n", 1)[0] if card.is_file() else ""
+    return first.removeprefix("# ").strip() if first.startswith("# ") else path.resolve().name
+
+
+def finetune_flags(args) -> str:
+    """The reproduce command's fine-tune options (and the schedule's, which a fine-tune usually sets)."""
+    if args.init_from is None and args.expert_capacity is None:
+        return ""
+    flags = "" if args.init_from is None else f" --init-from {args.init_from}"
+    flags += "" if args.expert_capacity is None else f" --expert-capacity {args.expert_capacity}"
+    for name, default in (("lr", 2e-3), ("warmup", 100), ("holdout", 0.10)):
+        if getattr(args, name) != default:
+            flags += f" --{name} {getattr(args, name):g}"
+    return flags
+
+
 def fill_defaults(args) -> None:
     run = RUN[(args.kind, args.preset)]
     args.vocab = args.vocab or run["vocab"]
     sh = run["shapes"]
+    long_from = 0 if args.init_from is not None else sh.long_from  # a fine-tune has been through the curriculum
     args.shapes = M.Shapes(args.seq_len or sh.short_len, args.batch or sh.short_batch,
                            sh.long_len if args.long_len is None else args.long_len,
                            args.long_batch or sh.long_batch,
-                           sh.long_from if args.long_from is None else args.long_from,
+                           long_from if args.long_from is None else args.long_from,
                            args.long_every or sh.long_every)
     args.seq_len = args.shapes.long_len or args.shapes.short_len  # the context trained (max_position_embeddings)
     args.batch = args.shapes.short_batch
-    args.objective = M.Objective("bd" if args.kind == "tiny-llada2.1" else "mdm", p_bidir=args.p_bidir,
+    routed = {"block_sizes": (ROUTE_BLOCK,)} if args.expert_capacity is not None else {}
+    args.objective = M.Objective("bd" if args.kind == "tiny-llada2.1" else "mdm",
+                                 p_bidir=0.2 if args.p_bidir is None else args.p_bidir,
                                  p_t2t=args.p_t2t, max_corrupt=args.max_corrupt, keep_weight=args.keep_weight,
                                  noisy_cap=args.noisy_cap or run["noisy_cap"],
-                                 other_weight=run.get("other_weight", 1.0))
+                                 other_weight=run.get("other_weight", 1.0), **routed)
+    args.p_bidir = args.objective.p_bidir
     args.mix = run["mix"] if args.mix is None else M.MixConfig(**{**asdict(run["mix"]), "shares": tuple(args.mix)})
+    if args.init_from is not None:  # no window-share / lookup-length curriculum either: the final mix from step 0
+        args.mix = replace(args.mix, grow_steps=0)
     if args.kind == "tiny-llada" and args.shapes.long_len:
         raise SystemExit("--long-len: tiny-llada trains one window length (--seq-len)")
+    if routed and args.shapes.long_len and args.objective.noisy_cap < ROUTE_BLOCK:
+        raise SystemExit(f"--noisy-cap {args.objective.noisy_cap}: block routing's long windows need room for a "
+                         f"{ROUTE_BLOCK}-token block")
+    context = (args.init_config or {}).get("max_position_embeddings") or (args.init_config or {}).get(
+        "max_sequence_length")
+    if context is not None and args.seq_len > context:
+        raise SystemExit(f"--seq-len / --long-len: {args.seq_len}-token windows exceed {args.init_from}'s context "
+                         f"of {context} tokens")
     if args.deadline is None:
         args.deadline = 560.0
     if args.time_budget is None:
@@ -215,12 +330,18 @@ def forward_loss(model, b: dict, rows: slice, use_flex: bool):
     tokens, positions = b["tokens"][rows].long(), b["positions"][rows].long()
     n_clean = b["n_clean"]
     B, N = tokens.shape
+    groups, block = None, C.route_block(model)
     if "bids" in b:
-        rule = tiny_fast.bd_rule(b["bids"][rows], n_clean, use_flex)
+        bids = b["bids"][rows]
+        rule = tiny_fast.bd_rule(bids, n_clean, use_flex)
         at = torch.arange(n_clean, N, device=tokens.device)[None].expand(B, N - n_clean)
+        if block is not None:  # block routing: [x0 ; x_t] routed per block, dummy slots (bids < 0) nowhere
+            clean = torch.arange(N, device=tokens.device)[None] < n_clean
+            groups = C.bd_route_groups(positions, bids >= 0, clean, block, -(-n_clean // block))
     else:
         rule, at = tiny_fast.FullRule(), None
-    logits = model(Forward(tokens, positions, AttentionSpec(rule), logits_at=at, float_logits=True))
+    logits = model(Forward(tokens, positions, AttentionSpec(rule), logits_at=at, float_logits=True,
+                           route_groups=groups))
     tgt, w = b["targets"][rows].long(), b["weights"][rows]
     masked, answer = b["masked"][rows], b["answer"][rows] & b["masked"][rows]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(w)
@@ -449,8 +570,11 @@ def needle_ablation(model, file: Path, limit: int | None, block: int = 32) -> di
         eye = torch.eye(L, dtype=torch.bool, device=x.device)
         at = torch.arange(L - len(ref), L, device=x.device)[None]
         pos = torch.arange(L, device=x.device)[None]
+        rb = C.route_block(model)  # block routing: the blocks of `block` are the route groups too (block == rb)
+        groups = None if rb is None else route_groups(pos, rb)
         for key, mask in (("full", base), ("hidden", (base & ~hide[None, :]) | eye)):
-            lg = model(Forward(x, pos, AttentionSpec(ExplicitMask(mask[None])), logits_at=at, float_logits=True))
+            lg = model(Forward(x, pos, AttentionSpec(ExplicitMask(mask[None])), logits_at=at, float_logits=True,
+                               route_groups=groups))
             lg[..., mask_id] = float("-inf")
             out[key] += lg.argmax(-1)[0].tolist() == ref
     n = max(1, len(rows))
@@ -579,6 +703,9 @@ def main(args, t0: float) -> dict:
         if (info["kind"], info["preset"]) != (args.kind, args.preset):
             raise SystemExit(f"--resume {args.resume}: a {info['kind']} / {info['preset']} state, not "
                              f"{args.kind} / {args.preset}")
+        if "expert_capacity" in info["config"]:  # the state's model would be rebuilt without block routing
+            raise SystemExit(f"--resume {args.resume}: a block-routed run's state does not resume (fine-tune its "
+                             "checkpoint again with --init-from)")
         args.seed, args.vocab, args.holdout = info["seed"], info["vocab"], info["holdout"]
     log = C.Log(out / "train_log.jsonl", append=resumed is not None)
     dev = args.device
@@ -594,9 +721,15 @@ def main(args, t0: float) -> dict:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(resumed[2])
+    elif args.init_from is not None:  # the checkpoint's own: its embeddings are of these ids
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
     else:
         tok = D.train_tokenizer([f.text for f in train_files], args.vocab, digits=True)
     vocab = tok.get_vocab_size()
+    if args.init_from is not None:
+        args.vocab = vocab
     train_stream = np.asarray(D.token_stream(D.encode_files(tok, train_files)), dtype=np.int32)
     held_code = [f for f in held_files if not f.is_test] or held_files
     held_stream = np.asarray(D.token_stream(D.encode_files(tok, held_code)), dtype=np.int32)
@@ -610,8 +743,7 @@ def main(args, t0: float) -> dict:
                   for n in ["code_short", "code_long"] + [t.name for t in synth_plan(args.kind, args.preset)]}
     writer = TaskWriter(tok, held_files, held_code, args, tasks_dir, log)
 
-    cfg = hf_config(args.kind, args.preset, vocab)
-    model = C.build_model(cfg, dev, args.seed)
+    cfg, model = start_model(args, vocab, log)
     params = sum(p.numel() for p in model.parameters())
     log(f"model: {params:,} parameters ({params * 2 / 1e6:.1f} MB in bf16) on {dev}")
     windows = M.Windows(tok, train_stream, args.mix, D.EOS)
@@ -628,13 +760,17 @@ def main(args, t0: float) -> dict:
                   "state_moments": not args.state_weights_only}
     tiny_state.save_state(state_dir, model, training.pop("opt"), info, tok, dtype=getattr(torch, args.state_dtype),
                           moments=not args.state_weights_only)
-    model.tokenizer = TextTokenizer(tok, D.tokenizer_config(cfg.get("max_position_embeddings")
-                                                           or cfg["max_sequence_length"]))
+    if args.init_from is None:  # a fine-tune keeps the checkpoint's (its tokenizer_config.json too)
+        model.tokenizer = TextTokenizer(tok, D.tokenizer_config(cfg.get("max_position_embeddings")
+                                                               or cfg["max_sequence_length"]))
     weight_files = save_model(model, ckpt, cfg, dtype=torch.bfloat16)
     steps = training["steps"]
     command = (f"python tools/train/train_tiny.py --kind {args.kind} --out OUT --steps {steps}"
-               + ("" if args.preset == "full" else f" --preset {args.preset}") + (f" --seed {args.seed}" if args.seed else ""))
+               + ("" if args.preset == "full" else f" --preset {args.preset}") + (f" --seed {args.seed}" if args.seed else "")
+               + finetune_flags(args))
     results = {"kind": args.kind, "command": command, "config": cfg, "parameters": params,
+               "init_from": None if args.init_from is None else {"path": str(args.init_from),
+                                                                 "name": checkpoint_name(args.init_from)},
                "weights_bytes": sum(f.stat().st_size for f in weight_files),
                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
                "torch": torch.__version__,
@@ -661,6 +797,7 @@ def main(args, t0: float) -> dict:
         results["eval_device"] = str(dev)
         n_win = 32 if args.eval == "full" else 2
         modes = ("bidirectional",) if args.kind == "tiny-llada" else ("block_32", "bidirectional")
+        modes = ("block_32",) if C.route_block(m) is not None else modes  # block routing: no bidirectional windows
         results["masked_accuracy"] = C.masked_accuracy(m, torch.tensor(held_stream, dtype=torch.long, device=dev),
                                                        args.shapes.short_len, n_win, args.seed, modes=modes)
         table = D.bigram_table(train_stream.tolist(), vocab)

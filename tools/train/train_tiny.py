@@ -41,6 +41,10 @@ generated tasks (tools/train/train_kinds.py, tools/train/tiny_mix.py, tools/trai
   python tools/train/train_tiny.py --kind tiny-llada2.1 --resume /tmp/l21/state --out /tmp/l21b
   python tools/train/train_tiny.py --kind tiny-llada2.1 --out /tmp/l21 --state-dtype bfloat16 --package $OUT --package-state
   python tools/train/train_tiny.py --kind tiny-llada2.1 --resume $OUT_FOLDER --out /tmp/l21c
+Fine-tune the shipped tiny-llada2.1 with LLaDA2.2 block routing, 8 of its 16 experts per 32-token block
+(tools/train/train_kinds.py's docstring):
+  python tools/train/train_tiny.py --kind tiny-llada2.1 --init-from compiledllm/assets/tiny-llada2.1 \
+      --expert-capacity 8 --lr 5e-4 --warmup 50 --time-budget 200 --deadline 420 --out /tmp/l21b8
 """
 from __future__ import annotations
 
@@ -112,7 +116,7 @@ def parse_args(argv=None):
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--p-bidir", type=float, default=0.2)
+    ap.add_argument("--p-bidir", type=float, default=None, help="default 0.2 (0 with --expert-capacity)")
     ap.add_argument("--p-t2t", type=float, default=0.5)
     ap.add_argument("--max-corrupt", type=float, default=0.2)
     ap.add_argument("--keep-weight", type=float, default=0.1)
@@ -146,9 +150,17 @@ def parse_args(argv=None):
     new.add_argument("--rewarm", type=int, default=20, help="steps of lr ramp after --resume")
     new.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines")
     new.add_argument("--no-flex", dest="flex", action="store_false", help="SDPA with dense masks on CUDA too")
+    new.add_argument("--init-from", type=Path, default=None, metavar="CHECKPOINT_DIR",
+                     help="fine-tune: start from this checkpoint's weights (e.g. compiledllm/assets/tiny-llada2.1) "
+                          "with its tokenizer and the original run's split (--holdout), a fresh optimizer and schedule, "
+                          "no data curriculum")
+    new.add_argument("--expert-capacity", type=int, default=None, metavar="C",
+                     help="tiny-llada2.1: block routing (LLaDA2.2): each 32-position block admits C experts and its "
+                          "tokens pick their top-k among them; blocks of 32 only, no bidirectional windows")
     args = ap.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.kind != "tiny-llada2":
+        train_kinds.check_finetune(args)
         train_kinds.fill_defaults(args)
         if args.package_state and (args.package is None or args.state_dtype != "bfloat16"):
             raise SystemExit("--package-state: needs --package DIR and --state-dtype bfloat16 (a float32 state is "
@@ -156,6 +168,9 @@ def parse_args(argv=None):
         return args
     if args.resume is not None:
         raise SystemExit("--resume: only the tiny-llada2.1 and tiny-llada kinds resume")
+    if args.init_from is not None or args.expert_capacity is not None:
+        raise SystemExit("--init-from / --expert-capacity: only the tiny-llada2.1 kind (tiny-llada: --init-from)")
+    args.p_bidir = 0.2 if args.p_bidir is None else args.p_bidir
     args.time_budget = 420.0 if args.time_budget is None else args.time_budget
     run = PRESETS[args.preset]["run"]
     args.vocab = args.vocab or run["vocab"]
