@@ -124,6 +124,24 @@ def first_max(values, index, size: tl.constexpr):
 
 
 @triton.jit
+def store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E: tl.constexpr, TOPK: tl.constexpr,
+               NORM: tl.constexpr):
+    """Token t's TOPK largest `biased` (descending, ties -> lower id) to ids, their unbiased `score` to w (over
+    their sum + 1e-20 with NORM, times scaling). The picks stay in registers (rank per expert): re-reading ids_ptr
+    could see another thread's store not yet visible (no barrier between a program's global stores and loads)."""
+    rank = tl.full((E,), -1, dtype=tl.int32)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
+        rank = tl.where(e == best, j, rank)
+        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
+        total += tl.sum(tl.where(e == best, score, 0.0))
+    wsum = total + 1e-20 if NORM else 1.0
+    for j in tl.static_range(TOPK):
+        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+
+
+@triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr, GROUPS: tl.constexpr,
                  TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
     """One token: sigmoid scores, + bias for selection, keep the TOPK_GROUP groups with the largest top-2
@@ -145,18 +163,7 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
             keep = tl.where(g == best, 1, keep)
         kept = tl.reshape(tl.broadcast_to(keep[:, None], (GROUPS, E // GROUPS)), (E,))
         biased = tl.where(kept > 0, biased, float("-inf"))  # dropped groups never picked, as the torch path
-    # the picks stay in registers (rank per expert): re-reading ids_ptr here could see another thread's
-    # store not yet visible (no barrier between a program's global stores and loads)
-    rank = tl.full((E,), -1, dtype=tl.int32)
-    total = 0.0
-    for j in tl.static_range(TOPK):
-        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
-        rank = tl.where(e == best, j, rank)
-        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
-        total += tl.sum(tl.where(e == best, score, 0.0))
-    wsum = total + 1e-20 if NORM else 1.0
-    for j in tl.static_range(TOPK):
-        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+    store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM)
 
 
 @triton.jit
@@ -175,26 +182,33 @@ def block_max_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, E: tl.constexpr):
 
 @triton.jit
 def block_pick_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
-                      CAPACITY: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+                      CAPACITY: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr,
+                      BY_RANK: tl.constexpr):
     """Block routing, phase 2 for one token: its group's CAPACITY experts with the largest aggregate (ties -> lower
-    id), then its TOPK best biased scores among them (ties -> lower id), weights from the unbiased scores."""
+    id), then its TOPK best biased scores among them (ties -> lower id), weights from the unbiased scores.
+
+    Admission by rank, not by CAPACITY dependent max reductions: an expert's rank is how many experts are ahead of
+    it (a larger aggregate, or an equal one and a lower id), counted over [CHUNK, E] comparison tiles that are
+    independent of each other; it is admitted when its rank < CAPACITY (the stable descending sort's first).
+    BY_RANK False: CAPACITY dependent first_max picks instead (the same set; kept for the benchmark's A/B)."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.maximum(tl.load(group_ptr + t), 0)  # a dead token picks from group 0: its pairs are dropped anyway
     e = tl.arange(0, E)
     agg = tl.load(agg_ptr + g * E + e)
-    admitted = tl.zeros((E,), dtype=tl.int32)
-    for _ in range(CAPACITY):  # a loop, not unrolled: CAPACITY may be every expert
-        _, best = first_max(tl.where(admitted > 0, float("-inf"), agg), e, E)
-        admitted = tl.where(e == best, 1, admitted)
+    if BY_RANK:
+        ahead = tl.zeros((E,), dtype=tl.int32)
+        for c in tl.static_range(0, E, CHUNK):
+            other = c + tl.arange(0, CHUNK)
+            a = tl.load(agg_ptr + g * E + other)[:, None]
+            before = (a > agg[None, :]) | ((a == agg[None, :]) & (other[:, None] < e[None, :]))
+            ahead += tl.sum(before.to(tl.int32), axis=0)
+        admitted = ahead < CAPACITY
+    else:
+        taken = tl.zeros((E,), dtype=tl.int32)
+        for _ in range(CAPACITY):  # a loop, not unrolled: CAPACITY may be every expert
+            _, best = first_max(tl.where(taken > 0, float("-inf"), agg), e, E)
+            taken = tl.where(e == best, 1, taken)
+        admitted = taken > 0
     score = tl.sigmoid(tl.load(logits_ptr + t * E + e))
-    biased = tl.where(admitted > 0, score + tl.load(bias_ptr + e), float("-inf"))
-    rank = tl.full((E,), -1, dtype=tl.int32)  # the picks stay in registers (route_kernel says why)
-    total = 0.0
-    for j in tl.static_range(TOPK):
-        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
-        rank = tl.where(e == best, j, rank)
-        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
-        total += tl.sum(tl.where(e == best, score, 0.0))
-    wsum = total + 1e-20 if NORM else 1.0
-    for j in tl.static_range(TOPK):
-        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+    biased = tl.where(admitted, score + tl.load(bias_ptr + e), float("-inf"))
+    store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM)

@@ -126,23 +126,26 @@ def route_supported(x: torch.Tensor, experts: int, n_group: int) -> bool:
     return x.is_cuda and pow2(experts) and pow2(n_group) and experts // n_group >= 16 and available()
 
 
-# Warps of the block router's kernels: each token's program runs ~capacity + top_k dependent max reductions over
-# the E experts, and with one warp a reduction is register shuffles only (no shared memory, no barrier).
-BLOCK_ROUTE_WARPS = 1
+# Warps of the block router's kernels and how the pick kernel admits experts (by rank over [32, E] comparison
+# tiles, or by CAPACITY dependent max reductions), from tools/bench/bench_block_routing.py --sweep on the H200
+# (2026-12-03, E 256, capacity 48, 32-1024 tokens): the op took 18-20 us by rank on 4 warps, 35-39 us by rank on
+# 1 warp, 22-28 us by max reductions on 1-4 warps (docs/results.md, "Block routing").
+BLOCK_ROUTE_WARPS = 4
+BLOCK_ROUTE_BY_RANK = True
 
 
 @torch.library.custom_op("compiledllm::moe_block_route", mutates_args=())
 def moe_block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, capacity: int, top_k: int,
                     norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block routing (models/block_routing.py): router logits [T, E] float32, groups [T] int64 (a dense group index
-    in [0, T), -1 = a dead token) -> (expert ids [T, k] int64, weights [T, k] float32)."""
+    in [0, T), -1 = a dead token: block_routing.route_index) -> (expert ids [T, k] int64, weights [T, k] float32)."""
     return block_route_launch(logits, bias, groups, capacity, top_k, norm, scaling)
 
 
 def block_route_launch(logits, bias, groups, capacity: int, top_k: int, norm: bool, scaling: float,
-                       warps: int = BLOCK_ROUTE_WARPS):
-    """The op's body (`warps`: benchmark sweeps). Two kernels: the groups' max aggregates (atomic max into
-    [T, E]: a row per possible group, most unused), then each token's admission and top-k."""
+                       warps: int = BLOCK_ROUTE_WARPS, by_rank: bool = BLOCK_ROUTE_BY_RANK):
+    """The op's body (`warps`, `by_rank`: benchmark sweeps). Two kernels: the groups' max aggregates (atomic max
+    into [T, E]: a row per possible group, most unused), then each token's admission and top-k."""
     from compiledllm.models.moe_kernels import block_max_kernel, block_pick_kernel
 
     T, E = logits.shape
@@ -152,7 +155,7 @@ def block_route_launch(logits, bias, groups, capacity: int, top_k: int, norm: bo
     if T:
         block_max_kernel[(T,)](logits, bias, groups, agg, E=E, num_warps=warps)
         block_pick_kernel[(T,)](logits, bias, groups, agg, ids, w, scaling, E=E, CAPACITY=capacity, TOPK=top_k,
-                                NORM=norm and top_k > 1, num_warps=warps)
+                                NORM=norm and top_k > 1, CHUNK=min(32, E), BY_RANK=by_rank, num_warps=warps)
     return ids, w
 
 

@@ -81,6 +81,30 @@ def routing() -> None:
                                                                      True, 2.5)
                 assert torch.equal(fused_ids, ids), (E, G, TG, K, shift)
                 torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
+    block_routing()
+
+
+def block_routing() -> None:
+    """Both admissions of the block router (by rank, by dependent max picks) against the torch block_route: exact
+    ties, a dead token, capacities from top_k to every expert, groups sharing a row and rows sharing a value."""
+    from compiledllm.models.block_routing import block_route, route_index
+
+    g = torch.Generator().manual_seed(1)
+    for E, C, K, rows, Q, block in [(64, 12, 6, 2, 24, 8), (16, 16, 4, 1, 9, 4), (32, 4, 4, 3, 8, 8)]:
+        cfg = MoEConfig(num_experts=E, expert_dim=16, top_k=K, num_shared=0, routed_scaling=2.5,
+                        expert_capacity=C, route_block=block)
+        logits = torch.randn(rows * Q, E, generator=g)
+        logits[:, 3:6] = logits[:, 3:4]  # exact ties: the lower id first on every path
+        bias = torch.randn(E, generator=g) * 0.1
+        groups = (torch.arange(Q) // block).repeat(rows, 1)
+        groups[0, -1] = -1
+        want_ids, want_w = block_route(logits, bias, groups, cfg)
+        live = groups.reshape(-1) >= 0
+        for by_rank in (True, False):
+            ids, w = moe_triton.block_route_launch(logits, bias, route_index(groups), C, K, True, 2.5,
+                                                   by_rank=by_rank)
+            assert torch.equal(ids[live], want_ids[live]), (E, C, K, by_rank)
+            torch.testing.assert_close(w[live], want_w[live], rtol=1e-6, atol=1e-6)
 
 
 def confidence_kernel() -> None:
