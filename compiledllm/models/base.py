@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from compiledllm.attention.spec import AttentionSpec, BlockCausal
+from compiledllm.models.block_routing import block_routed, route_index
 from compiledllm.models.config import ConfigFacts, ModelConfig
 from compiledllm.models.head import head_logits
 from compiledllm.models.layers import DecoderLayer, RMSNorm, Rotary
@@ -51,6 +53,8 @@ class BlockDiffusionLM(ConfigFacts, nn.Module, ABC):
         fwd.logits_rows may hold anything (the head may skip them, head.py). kv: the KV store whose layer views
         the attention reads and writes (None: nothing cached). layers: what runs as the decoder layers (default
         self.layers; the decode step passes compiled regions of them)."""
+        if fwd.route_groups is not None and fwd.route_index is None and block_routed(self):
+            fwd = replace(fwd, route_index=route_index(fwd.route_groups))  # once, not per MoE layer
         h = self.embed(fwd.tokens)
         cos, sin = self.rotary.cos_sin(fwd.positions)
         for i, layer in enumerate(self.layers if layers is None else layers):

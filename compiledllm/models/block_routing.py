@@ -51,16 +51,17 @@ class BlockRoutedMoE(MoE):
         new.shared, new.parallel = moe.shared, moe.parallel
         return new
 
-    def route(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None):
+    def route(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
+              index: torch.Tensor | None = None):
         if groups is None:
             raise ValueError("a block-routed MoE needs the forward's route groups (Forward.route_groups)")
         c = self.cfg
         logits = router_logits(x, self.gate)
+        index = route_index(groups) if index is None else index
         if backend != "grouped_mm" and moe_triton.block_route_supported(x, c.num_experts):
-            index = torch.where(groups.reshape(-1) >= 0, group_index(groups), -1)
             return torch.ops.compiledllm.moe_block_route(logits, self.expert_bias, index, c.expert_capacity,
                                                          c.top_k, c.norm_topk_prob, c.routed_scaling)
-        return block_route(logits, self.expert_bias, groups, c)
+        return block_route(logits, self.expert_bias, groups, c, index)
 
 
 def group_index(groups: torch.Tensor) -> torch.Tensor:
@@ -76,13 +77,20 @@ def group_index(groups: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(key).scatter_(0, order, new.cumsum(0) - 1)
 
 
-def block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, c: MoEConfig
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both phases in torch: router logits [T, E] float32 -> (expert ids [T, k], weights [T, k] float32)."""
+def route_index(groups: torch.Tensor) -> torch.Tensor:
+    """groups [R, Q] -> [R * Q] long: group_index, -1 for a dead token. What both routers key the groups by; the
+    model makes it once per forward (Forward.route_index) rather than once per MoE layer (a sort: ~8 kernels)."""
+    return torch.where(groups.reshape(-1) >= 0, group_index(groups), -1)
+
+
+def block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, c: MoEConfig,
+                index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both phases in torch: router logits [T, E] float32 -> (expert ids [T, k], weights [T, k] float32); index:
+    route_index(groups) where the caller has it."""
     scores = torch.sigmoid(logits)
     biased = scores + bias
     T, E = biased.shape
-    index = group_index(groups)
+    index = (route_index(groups) if index is None else index).clamp(min=0)  # a dead token reads row 0: unused
     live = (groups.reshape(-1) >= 0)[:, None]
     agg = torch.full((T, E), float("-inf"), device=biased.device).scatter_reduce_(
         0, index[:, None].expand(-1, E), biased.masked_fill(~live, float("-inf")), "amax")

@@ -115,8 +115,8 @@ class MoE(nn.Module):
     # Triton experts; "grouped_mm": always the torch routing and grouped GEMM (the benchmarks' A/B baseline, and
     # what an exported engine runs).
 
-    def route(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
+              index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids [T, k], weights [T, k] float32). Router math in float32.
 
         groups: the forward's Forward.route_groups as [rows, Q] (x's tokens are its rows' tokens in order, T = rows
@@ -124,7 +124,8 @@ class MoE(nn.Module):
         values in different rows are different groups. This router routes every token alone and ignores them
         (forward() then drops dead tokens' pairs). The extension point: a subclass may choose each group's experts
         together (models/block_routing.py restricts a block's tokens to the experts admitted per block); where
-        groups is given it may also return the id num_experts for a pair that goes to no expert (weight 0)."""
+        groups is given it may also return the id num_experts for a pair that goes to no expert (weight 0). index:
+        Forward.route_index (a dense key of the groups the model made once per forward), or None."""
         c = self.cfg
         logits = router_logits(x, self.gate)
         if backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
@@ -146,7 +147,8 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return ids, w * c.routed_scaling
 
-    def forward(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., D]; groups (Forward.route_groups): x.shape[:-1] long, -1 = a dead token (route()), or None: every
         token routes (exactly the path without groups). A dead token takes no expert pair; the shared expert still
         runs on it, so its output is finite but meaningless (nothing reads it)."""
@@ -155,7 +157,7 @@ class MoE(nn.Module):
         if groups is not None and groups.shape != shape[:-1]:
             raise ValueError(f"MoE: route groups of shape {tuple(groups.shape)} for tokens {tuple(shape[:-1])}")
         rows = None if groups is None else groups.reshape(-1, shape[-2])  # [rows, Q]; x [T, D]: one row
-        ids, w = self.assign(x, backend, rows)
+        ids, w = self.assign(x, backend, rows, index)
         out = self._routed(x, ids, w, backend, skip=rows is not None)
         if self.shared is not None:
             out = out + self.shared(x)
@@ -163,11 +165,11 @@ class MoE(nn.Module):
             out = self.parallel.all_reduce(out)
         return out.view(shape)
 
-    def assign(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
+               index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The (expert ids, weights) the experts run for x [T, D]: route()'s, with every pair of a dead token (groups
         [rows, Q] < 0) sent to no expert (id num_experts, weight 0). Static shapes, no host sync."""
-        ids, w = self.route(x, backend, groups)
+        ids, w = self.route(x, backend, groups, index)
         if groups is None:
             return ids, w
         dead = (groups.reshape(-1) < 0)[:, None]
@@ -266,6 +268,6 @@ class DecoderLayer(nn.Module):
         normed = self.post_norm(h)
         if isinstance(self.mlp, MoE):
             with phase("moe"):
-                return h + self.mlp(normed, fwd.kernels.moe, fwd.route_groups)
+                return h + self.mlp(normed, fwd.kernels.moe, fwd.route_groups, fwd.route_index)
         with phase("mlp"):
             return h + self.mlp(normed)

@@ -37,6 +37,7 @@ class Forward:
     float_logits: bool = False  # float32 logits (the reference); else the model's dtype (the decode step)
     kernels: Kernels = field(default_factory=Kernels)
     route_groups: torch.Tensor | None = None
+    route_index: torch.Tensor | None = None  # made by the model from route_groups (BlockDiffusionLM.forward)
 
 
 @dataclass(frozen=True)

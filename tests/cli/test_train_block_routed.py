@@ -42,8 +42,8 @@ def route_calls(monkeypatch):
     """Every BlockRoutedMoE routing call's (route groups, expert ids)."""
     calls, route = [], BlockRoutedMoE.route
 
-    def recording(self, x, backend="auto", groups=None):
-        ids, w = route(self, x, backend, groups)
+    def recording(self, x, backend="auto", groups=None, index=None):
+        ids, w = route(self, x, backend, groups, index)
         calls.append((None if groups is None else groups.clone(), ids.clone()))
         return ids, w
     monkeypatch.setattr(BlockRoutedMoE, "route", recording)

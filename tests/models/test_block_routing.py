@@ -27,7 +27,7 @@ import compiledllm
 from compiledllm.attention.spec import AttentionSpec, BlockCausal
 from compiledllm.engine import Engine, generate
 from compiledllm.errors import UserError
-from compiledllm.models.block_routing import BlockRoutedMoE, block_route, block_routed, group_index
+from compiledllm.models.block_routing import BlockRoutedMoE, block_route, block_routed, group_index, route_index
 from compiledllm.models.layers import MoE
 from compiledllm.policies.plan import Forward, route_groups
 
@@ -289,8 +289,7 @@ def test_triton_router_equals_the_torch_routing(capacity, T, blocks):
     groups = (torch.arange(T, device="cuda") // (T // blocks))[None]
     groups[0, -3:] = -1  # dead tokens take no part
     want_ids, want_w = block_route(logits, bias, groups, cfg)
-    index = torch.where(groups.reshape(-1) >= 0, group_index(groups), -1)
-    ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, index, capacity, 8, True, 2.5)
+    ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, route_index(groups), capacity, 8, True, 2.5)
     live = groups.reshape(-1) >= 0
     assert torch.equal(ids[live], want_ids[live])
     assert torch.allclose(w[live], want_w[live], rtol=1e-6, atol=1e-7)

@@ -138,8 +138,8 @@ def attach_load_counters(model, backend: str | None = None) -> list[MoE]:
     never run (MoE.assign), so balancing towards them would skew the bias."""
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     for m in moes:
-        def route(x, fwd_backend="auto", groups=None, m=m):
-            ids, w = type(m).route(m, x, backend or fwd_backend, groups)
+        def route(x, fwd_backend="auto", groups=None, index=None, m=m):
+            ids, w = type(m).route(m, x, backend or fwd_backend, groups, index)
             flat = ids.flatten()  # scatter_add rather than bincount: no host sync
             live = torch.ones_like(flat) if groups is None else \
                 (groups.reshape(-1, 1) >= 0).expand_as(ids).flatten().long()
