@@ -33,7 +33,7 @@ import torch
 
 from gpu_timing import ceilings, graph_ms
 from compiledllm.models import moe_triton
-from compiledllm.models.block_routing import BlockRoutedMoE, block_route, group_index
+from compiledllm.models.block_routing import BlockRoutedMoE, block_route, route_index
 from compiledllm.models.config import MoEConfig
 from compiledllm.models.layers import MoE, router_logits
 from compiledllm.models.routing import expected_touched
@@ -91,7 +91,9 @@ def measure(moe: MoE, x: torch.Tensor, groups: torch.Tensor, timer: Callable[[Ca
     """One (shape, batch, routing) record: x [rows, BLOCK, D], groups [rows, BLOCK]."""
     c, (rows, q, D) = moe.cfg, x.shape
     flat = x.view(-1, D)
-    ids, w = moe.assign(flat, "auto", groups)
+    block = c.expert_capacity is not None
+    index = route_index(groups) if block else None  # the model makes it once per forward, not per layer
+    ids, w = moe.assign(flat, "auto", groups, index)
     per_block, union = touched(ids, c.num_experts, rows)
     weight_bytes = union * 3 * D * c.expert_dim * 2 + c.num_experts * D * 2  # experts read + the router's gate
     nbytes = weight_bytes + rows * q * D * 2 * (1 + c.top_k)  # + x in, the k partial outputs out (as bench_moe)
@@ -104,9 +106,11 @@ def measure(moe: MoE, x: torch.Tensor, groups: torch.Tensor, timer: Callable[[Ca
            "uniform_per_block": expected_touched(c.num_experts, c.top_k, q),
            "uniform_per_forward": expected_touched(c.num_experts, c.top_k, rows * q),
            "weight_bytes": weight_bytes, "bytes": nbytes,
-           "forward_ms": timer(lambda: moe(x, "auto", groups)),
-           "router_ms": timer(lambda: moe.route(flat, "auto", groups)),
+           "forward_ms": timer(lambda: moe(x, "auto", groups, index)),
+           "router_ms": timer(lambda: moe.route(flat, "auto", groups, index)),
            "experts_ms": timer(lambda: moe._routed(flat, ids, w, "auto", skip=True))}
+    if block:  # once per forward (the model's), not in forward_ms: here its cost alone
+        rec["route_index_ms_per_forward"] = timer(lambda: route_index(groups))
     rec["gb_per_s"] = nbytes / rec["forward_ms"] / 1e6
     if hbm:
         rec["roofline_ms"] = nbytes / hbm * 1e3
@@ -119,14 +123,50 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
     """The Triton block router against the torch block_route on the same logits."""
     c = moe.cfg
     logits = router_logits(x.view(-1, x.shape[-1]), moe.gate)
-    index = torch.where(groups.reshape(-1) >= 0, group_index(groups), -1)
-    ids, w = torch.ops.compiledllm.moe_block_route(logits, moe.expert_bias, index, c.expert_capacity, c.top_k,
+    ids, w = torch.ops.compiledllm.moe_block_route(logits, moe.expert_bias, route_index(groups), c.expert_capacity, c.top_k,
                                                    c.norm_topk_prob, c.routed_scaling)
     ref_ids, ref_w = block_route(logits, moe.expert_bias, groups, c)
     return {"ids_equal": bool(torch.equal(ids, ref_ids)),
             "tokens_with_other_ids": int((ids != ref_ids).any(-1).sum()),
             "weights_allclose": bool(torch.allclose(w, ref_w, rtol=1e-5, atol=1e-5)),
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
+
+
+@torch.no_grad()
+def sweep(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict:
+    """What the router's and the experts' settings cost at this shape: the block router's kernels by warps and
+    admission (on fixed logits), and the experts' (gate_up, down) tiles on the block-routed assignment (gate_up
+    tiles first with the default down tile, then down tiles with the best gate_up), CUDA-graph medians."""
+    c, D = moe.cfg, x.shape[-1]
+    flat = x.view(-1, D)
+    logits, index = router_logits(flat, moe.gate), route_index(groups)
+    router = [{"warps": warps, "by_rank": by_rank, "ms": graph_ms(lambda: moe_triton.block_route_launch(
+        logits, moe.expert_bias, index, c.expert_capacity, c.top_k, c.norm_topk_prob, c.routed_scaling,
+        warps=warps, by_rank=by_rank))} for warps in (1, 2, 4) for by_rank in (True, False)]
+    ids, w = moe.assign(flat, "auto", groups, index)
+    up0, down0 = moe_triton.default_tiles(ids.numel(), c.num_experts, D, c.expert_dim)
+
+    def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile) -> float:
+        return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down)))
+
+    spec = lambda bm, bn, bk, warps, st, n, k: moe_triton.MoETile(  # noqa: E731
+        bm, moe_triton._block(n, bn), moe_triton._block(k, bk), warps, st)
+    grid = [(16, bn, bk, warps, st) for bn in (32, 64, 128) for bk in (64, 128) for warps in (2, 4) for st in (3, 4)]
+    ups = [{"tile": t, "ms": tiles_ms(spec(*t, c.expert_dim, D), down0)} for t in grid]
+    best_up = min(ups, key=lambda r: r["ms"])
+    up = spec(*best_up["tile"], c.expert_dim, D)
+    downs = [{"tile": t, "ms": tiles_ms(up, spec(*t, D, c.expert_dim))} for t in grid]
+    best_down = min(downs, key=lambda r: r["ms"])
+    down = spec(*best_down["tile"], D, c.expert_dim)
+    default_tiles = moe_triton.default_tiles
+    moe_triton.default_tiles = lambda *a, **k: (up, down)  # the whole block-routed layer with the best tiles
+    try:
+        forward_best = graph_ms(lambda: moe(x, "auto", groups, index))
+    finally:
+        moe_triton.default_tiles = default_tiles
+    return {"router": router, "default_tiles": [dataclasses.asdict(up0), dataclasses.asdict(down0)],
+            "default_ms": tiles_ms(up0, down0), "gate_up": ups, "down": downs,
+            "best": {"gate_up": best_up, "down": best_down}, "forward_ms_best_tiles": forward_best}
 
 
 def table(records: list[dict]) -> None:
@@ -149,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,8,32", help="rows of one 32-token block each")
     ap.add_argument("--capacity", type=int, default=None, help="experts a block admits (default 48; smoke 6)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: torch path, eager timing")
+    ap.add_argument("--sweep", default="", help="batches (e.g. 1,8) at which to also time the block router's "
+                                                "variants and the experts' tiles under block routing (CUDA)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
@@ -160,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     ceil = None if smoke else ceilings()
     timer = eager_ms if smoke else graph_ms
-    records, checks = [], []
+    records, checks, sweeps = [], [], []
     for shape in shapes:
         torch.manual_seed(0)  # weights and tokens: the same experts touched in every run
         standard = build(shape, device)
@@ -178,12 +220,22 @@ def main(argv: list[str] | None = None) -> None:
             if not smoke:
                 checks.append({"shape": shape.name, "batch": batch, **check_op(blocked, x, groups)})
                 print("Triton moe_block_route vs torch block_route:", json.dumps(checks[-1]), flush=True)
+            if str(batch) in args.sweep.split(",") and not smoke:
+                sweeps.append({"shape": shape.name, "batch": batch, **sweep(blocked, x, groups)})
+                best = sweeps[-1]["best"]
+                print(f"sweep {shape.name} B={batch}: router " + ", ".join(
+                    f"w{r['warps']}{'rank' if r['by_rank'] else 'loop'} {r['ms'] * 1e3:.1f}us"
+                    for r in sweeps[-1]["router"]) + f"; experts default {sweeps[-1]['default_ms']:.4f} ms, "
+                    f"best up {best['gate_up']['tile']} -> down {best['down']['tile']} {best['down']['ms']:.4f} ms; "
+                    f"layer fwd with them {sweeps[-1]['forward_ms_best_tiles']:.4f} ms",
+                    flush=True)
         del standard, blocked
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity, "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
-           "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records}
+           "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
+           **({"sweeps": sweeps} if sweeps else {})}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     for c in checks:
