@@ -59,8 +59,9 @@ class BlockRoutedMoE(MoE):
         logits = router_logits(x, self.gate)
         index = route_index(groups) if index is None else index
         if backend != "grouped_mm" and moe_triton.block_route_supported(x, c.num_experts):
-            return torch.ops.compiledllm.moe_block_route(logits, self.expert_bias, index, c.expert_capacity,
-                                                         c.top_k, c.norm_topk_prob, c.routed_scaling)
+            return torch.ops.compiledllm.moe_block_route(logits, self.expert_bias, index, groups.shape[1],
+                                                         c.expert_capacity, c.top_k, c.norm_topk_prob,
+                                                         c.routed_scaling)
         return block_route(logits, self.expert_bias, groups, c, index)
 
 
@@ -85,12 +86,12 @@ def route_index(groups: torch.Tensor) -> torch.Tensor:
 
 def block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, c: MoEConfig,
                 index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both phases in torch: router logits [T, E] float32 -> (expert ids [T, k], weights [T, k] float32); index:
-    route_index(groups) where the caller has it."""
+    """Both phases in torch: router logits [T, E] float32 -> (expert ids [T, k], weights [T, k] float32), a dead
+    token's pairs id E and weight 0 (no expert); index: route_index(groups) where the caller has it."""
     scores = torch.sigmoid(logits)
     biased = scores + bias
     T, E = biased.shape
-    index = (route_index(groups) if index is None else index).clamp(min=0)  # a dead token reads row 0: unused
+    index = (route_index(groups) if index is None else index).clamp(min=0)  # a dead token reads row 0: replaced
     live = (groups.reshape(-1) >= 0)[:, None]
     agg = torch.full((T, E), float("-inf"), device=biased.device).scatter_reduce_(
         0, index[:, None].expand(-1, E), biased.masked_fill(~live, float("-inf")), "amax")
@@ -101,7 +102,7 @@ def block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, 
     w = scores.gather(1, ids)
     if c.norm_topk_prob and c.top_k > 1:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return ids, w * c.routed_scaling
+    return ids.masked_fill(~live, E), (w * c.routed_scaling).masked_fill(~live, 0.0)
 
 
 def use_block_routing(model, capacity: int, block: int | None = None):

@@ -122,14 +122,15 @@ class MoE(nn.Module):
         groups: the forward's Forward.route_groups as [rows, Q] (x's tokens are its rows' tokens in order, T = rows
         * Q), or None. groups[r, q] is the route group (the block) of row r's token q, -1 for a dead token; equal
         values in different rows are different groups. This router routes every token alone and ignores them
-        (forward() then drops dead tokens' pairs). The extension point: a subclass may choose each group's experts
-        together (models/block_routing.py restricts a block's tokens to the experts admitted per block); where
-        groups is given it may also return the id num_experts for a pair that goes to no expert (weight 0). index:
-        Forward.route_index (a dense key of the groups the model made once per forward), or None."""
+        except that a dead token's pairs get the id num_experts (no expert) and weight 0. The extension point: a
+        subclass may choose each group's experts together (models/block_routing.py restricts a block's tokens to
+        the experts admitted per block). index: Forward.route_index (a dense key of the groups the model made once
+        per forward), or None. Static shapes, no host sync."""
         c = self.cfg
         logits = router_logits(x, self.gate)
         if backend != "grouped_mm" and moe_triton.route_supported(x, c.num_experts, c.n_group):
-            return torch.ops.compiledllm.moe_route(logits, self.expert_bias, c.n_group, c.topk_group, c.top_k,
+            return torch.ops.compiledllm.moe_route(logits, self.expert_bias, None if groups is None else
+                                                   groups.reshape(-1), c.n_group, c.topk_group, c.top_k,
                                                    c.norm_topk_prob, c.routed_scaling)
         scores = torch.sigmoid(logits)
         biased = scores + self.expert_bias
@@ -145,7 +146,11 @@ class MoE(nn.Module):
         w = scores.gather(1, ids)
         if c.norm_topk_prob and c.top_k > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * c.routed_scaling
+        w = w * c.routed_scaling
+        if groups is None:
+            return ids, w
+        dead = (groups.reshape(-1) < 0)[:, None]
+        return ids.masked_fill(dead, c.num_experts), w.masked_fill(dead, 0.0)
 
     def forward(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
                 index: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,23 +162,13 @@ class MoE(nn.Module):
         if groups is not None and groups.shape != shape[:-1]:
             raise ValueError(f"MoE: route groups of shape {tuple(groups.shape)} for tokens {tuple(shape[:-1])}")
         rows = None if groups is None else groups.reshape(-1, shape[-2])  # [rows, Q]; x [T, D]: one row
-        ids, w = self.assign(x, backend, rows, index)
+        ids, w = self.route(x, backend, rows, index)
         out = self._routed(x, ids, w, backend, skip=rows is not None)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.parallel is not None:
             out = self.parallel.all_reduce(out)
         return out.view(shape)
-
-    def assign(self, x: torch.Tensor, backend: str = "auto", groups: torch.Tensor | None = None,
-               index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (expert ids, weights) the experts run for x [T, D]: route()'s, with every pair of a dead token (groups
-        [rows, Q] < 0) sent to no expert (id num_experts, weight 0). Static shapes, no host sync."""
-        ids, w = self.route(x, backend, groups, index)
-        if groups is None:
-            return ids, w
-        dead = (groups.reshape(-1) < 0)[:, None]
-        return ids.masked_fill(dead, self.cfg.num_experts), w.masked_fill(dead, 0.0)
 
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto",
                 skip: bool = False) -> torch.Tensor:

@@ -100,6 +100,34 @@ def sort_place_kernel(ids_ptr, counts_ptr, pos_ptr, order_ptr, offs_ptr, tile_en
 
 
 @triton.jit
+def sort_small_kernel(ids_ptr, order_ptr, offs_ptr, tile_end_ptr, P, E: tl.constexpr, E_P2: tl.constexpr,
+                      BM_UP: tl.constexpr, BM_DOWN: tl.constexpr, BLOCK: tl.constexpr):
+    """sort_position_kernel + sort_place_kernel (and their zero fill) in one program, for decode-sized pair counts:
+    the counts by one-hot sums over [BLOCK, E] tiles, then each pair's slot = its expert's start + the pairs of that
+    expert before it (a cumsum down the tile), so pairs keep their order within an expert (deterministic, unlike
+    the atomics; the results do not depend on it either way). Same offs / tile_end / order contract."""
+    ex = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + p, mask=p < P, other=E)
+        counts += tl.sum(((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32), axis=0)
+    running = tl.cumsum(counts, 0) - counts
+    tl.store(offs_ptr + ex, running, mask=ex < E)
+    tl.store(offs_ptr + E, tl.sum(counts, 0))
+    tl.store(tile_end_ptr + ex, tl.cumsum((counts + BM_UP - 1) // BM_UP, 0), mask=ex < E)
+    tl.store(tile_end_ptr + E + ex, tl.cumsum((counts + BM_DOWN - 1) // BM_DOWN, 0), mask=ex < E)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + p, mask=p < P, other=E)
+        hit = ((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32)
+        before = tl.cumsum(hit, 0) - hit  # this tile's earlier pairs of the same expert
+        slot = tl.sum(hit * (before + running[None, :]), axis=1)
+        tl.store(order_ptr + slot, p, mask=(p < P) & (e < E))
+        running += tl.sum(hit, axis=0)
+
+
+@triton.jit
 def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, D: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
                    BD: tl.constexpr):
     """out[t] = sum over ranks 0..k-1 of y[t * k + rank] in float32, in that order, rounded once; a skipped pair
@@ -124,29 +152,64 @@ def first_max(values, index, size: tl.constexpr):
 
 
 @triton.jit
-def store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E: tl.constexpr, TOPK: tl.constexpr,
-               NORM: tl.constexpr):
-    """Token t's TOPK largest `biased` (descending, ties -> lower id) to ids, their unbiased `score` to w (over
-    their sum + 1e-20 with NORM, times scaling). The picks stay in registers (rank per expert): re-reading ids_ptr
-    could see another thread's store not yet visible (no barrier between a program's global stores and loads)."""
-    rank = tl.full((E,), -1, dtype=tl.int32)
-    total = 0.0
+def store_dead(ids_ptr, w_ptr, t, E: tl.constexpr, TOPK: tl.constexpr):
+    """A dead token (route group -1): every pair to no expert, id E and weight 0 (the experts skip it)."""
     for j in tl.static_range(TOPK):
-        _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
-        rank = tl.where(e == best, j, rank)
-        tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
-        total += tl.sum(tl.where(e == best, score, 0.0))
-    wsum = total + 1e-20 if NORM else 1.0
-    for j in tl.static_range(TOPK):
-        tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+        tl.store(ids_ptr + t * TOPK + j, E)
+        tl.store(w_ptr + t * TOPK + j, 0.0)
 
 
 @triton.jit
-def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr, GROUPS: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr):
+def desc_keys(values, e, E: tl.constexpr):
+    """int64 keys of a float32 block whose descending order is the values' descending order with ties to the lower
+    index e: the float's bits made monotone as a signed int (negatives' magnitude bits flipped) above E - 1 - e.
+    (-0.0 would sort below +0.0; no score here is -0.0: sigmoid > 0 and x + -x is +0.0.)"""
+    bits = values.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (E - 1 - e).to(tl.int64)
+
+
+@triton.jit
+def store_topk(score, biased, e, logits_ptr, ids_ptr, w_ptr, t, scaling, E: tl.constexpr, TOPK: tl.constexpr,
+               NORM: tl.constexpr, SORT: tl.constexpr):
+    """Token t's TOPK largest `biased` (descending, ties -> lower id) to ids, their unbiased `score` to w (over
+    their sum + 1e-20 with NORM, times scaling). SORT: one bitonic sort of desc_keys, whose first TOPK positions
+    are stored at once (scores re-made from the logits: the same sigmoid of the same value, the same bits); else
+    TOPK dependent (max, first index) reductions, the picks kept in registers (re-reading ids_ptr could see
+    another thread's store not yet visible: no barrier between a program's global stores and loads)."""
+    if SORT:
+        keys = tl.sort(desc_keys(biased, e, E), descending=True)
+        top = e < TOPK  # position e of the sorted block
+        best = E - 1 - (keys & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.sigmoid(tl.load(logits_ptr + t * E + best, mask=top, other=0.0))
+        wsum = tl.sum(tl.where(top, picked, 0.0)) + 1e-20 if NORM else 1.0
+        tl.store(ids_ptr + t * TOPK + e, best.to(tl.int64), mask=top)
+        tl.store(w_ptr + t * TOPK + e, picked / wsum * scaling, mask=top)
+    else:
+        rank = tl.full((E,), -1, dtype=tl.int32)
+        total = 0.0
+        for j in tl.static_range(TOPK):
+            _, best = first_max(tl.where(rank >= 0, float("-inf"), biased), e, E)
+            rank = tl.where(e == best, j, rank)
+            tl.store(ids_ptr + t * TOPK + j, best.to(tl.int64))
+            total += tl.sum(tl.where(e == best, score, 0.0))
+        wsum = total + 1e-20 if NORM else 1.0
+        for j in tl.static_range(TOPK):
+            tl.store(w_ptr + t * TOPK + j, tl.sum(tl.where(rank == j, score, 0.0)) / wsum * scaling)
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, group_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr, GROUPS: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, SORT: tl.constexpr,
+                 DEAD: tl.constexpr):
     """One token: sigmoid scores, + bias for selection, keep the TOPK_GROUP groups with the largest top-2
-    sums, then the TOPK best experts in descending order (ties -> lower id); weights from unbiased scores."""
+    sums, then the TOPK best experts in descending order (ties -> lower id); weights from unbiased scores.
+    DEAD: group_ptr holds the tokens' route groups, and a dead one's (-1) pairs go to no expert."""
     t = tl.program_id(0).to(tl.int64)
+    if DEAD:
+        if tl.load(group_ptr + t) < 0:
+            store_dead(ids_ptr, w_ptr, t, E, TOPK)
+            return
     e = tl.arange(0, E)
     score = tl.sigmoid(tl.load(logits_ptr + t * E + e))
     biased = score + tl.load(bias_ptr + e)
@@ -163,7 +226,7 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
             keep = tl.where(g == best, 1, keep)
         kept = tl.reshape(tl.broadcast_to(keep[:, None], (GROUPS, E // GROUPS)), (E,))
         biased = tl.where(kept > 0, biased, float("-inf"))  # dropped groups never picked, as the torch path
-    store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM)
+    store_topk(score, biased, e, logits_ptr, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM, SORT)
 
 
 @triton.jit
@@ -182,20 +245,41 @@ def block_max_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, E: tl.constexpr):
 
 @triton.jit
 def block_pick_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, ids_ptr, w_ptr, scaling, E: tl.constexpr,
-                      CAPACITY: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr,
-                      BY_RANK: tl.constexpr):
+                      CAPACITY: tl.constexpr, TOPK: tl.constexpr, NORM: tl.constexpr, ROW: tl.constexpr,
+                      ROW_CHUNK: tl.constexpr, CHUNK: tl.constexpr, ADMIT_SORT: tl.constexpr,
+                      TOPK_SORT: tl.constexpr):
     """Block routing, phase 2 for one token: its group's CAPACITY experts with the largest aggregate (ties -> lower
-    id), then its TOPK best biased scores among them (ties -> lower id), weights from the unbiased scores.
+    id), then its TOPK best biased scores among them (ties -> lower id), weights from the unbiased scores; a dead
+    token (group -1) gets id E and weight 0 for every rank.
 
-    Admission by rank, not by CAPACITY dependent max reductions: an expert's rank is how many experts are ahead of
-    it (a larger aggregate, or an equal one and a lower id), counted over [CHUNK, E] comparison tiles that are
-    independent of each other; it is admitted when its rank < CAPACITY (the stable descending sort's first).
-    BY_RANK False: CAPACITY dependent first_max picks instead (the same set; kept for the benchmark's A/B)."""
+    ROW > 0 (decode-sized rows of ROW tokens; a group never spans rows): phase 1 here too, without agg_ptr or
+    block_max_kernel: the max over the row's tokens of this token's group, in [ROW_CHUNK, E] tiles (the same max,
+    the same bits). ROW 0: the aggregate block_max_kernel left in agg_ptr.
+    Admission: ADMIT_SORT, the CAPACITY-th largest desc_keys of one bitonic sort as the threshold; else (ROW 0
+    only) each expert's rank (experts ahead: a larger aggregate, or an equal one and a lower id) counted over
+    [CHUNK, E] comparison tiles of agg_ptr, admitted when < CAPACITY. Both are the stable descending sort's first."""
     t = tl.program_id(0).to(tl.int64)
-    g = tl.maximum(tl.load(group_ptr + t), 0)  # a dead token picks from group 0: its pairs are dropped anyway
+    g = tl.load(group_ptr + t)
+    if g < 0:
+        store_dead(ids_ptr, w_ptr, t, E, TOPK)
+        return
     e = tl.arange(0, E)
-    agg = tl.load(agg_ptr + g * E + e)
-    if BY_RANK:
+    bias = tl.load(bias_ptr + e)
+    if ROW > 0:
+        first = (t // ROW) * ROW
+        agg = tl.full((E,), float("-inf"), dtype=tl.float32)
+        for q0 in tl.static_range(0, ROW, ROW_CHUNK):
+            q = first + q0 + tl.arange(0, ROW_CHUNK)
+            same = tl.load(group_ptr + q, mask=q0 + tl.arange(0, ROW_CHUNK) < ROW, other=-1) == g
+            lg = tl.load(logits_ptr + q[:, None] * E + e[None, :], mask=same[:, None], other=0.0)
+            agg = tl.maximum(agg, tl.max(tl.where(same[:, None], tl.sigmoid(lg) + bias[None, :], float("-inf")), 0))
+    else:
+        agg = tl.load(agg_ptr + g * E + e)
+    if ADMIT_SORT:
+        keys = desc_keys(agg, e, E)
+        cut = tl.min(tl.where(e < CAPACITY, tl.sort(keys, descending=True), 0x7FFFFFFFFFFFFFFF))
+        admitted = keys >= cut
+    else:
         ahead = tl.zeros((E,), dtype=tl.int32)
         for c in tl.static_range(0, E, CHUNK):
             other = c + tl.arange(0, CHUNK)
@@ -203,12 +287,6 @@ def block_pick_kernel(logits_ptr, bias_ptr, group_ptr, agg_ptr, ids_ptr, w_ptr, 
             before = (a > agg[None, :]) | ((a == agg[None, :]) & (other[:, None] < e[None, :]))
             ahead += tl.sum(before.to(tl.int32), axis=0)
         admitted = ahead < CAPACITY
-    else:
-        taken = tl.zeros((E,), dtype=tl.int32)
-        for _ in range(CAPACITY):  # a loop, not unrolled: CAPACITY may be every expert
-            _, best = first_max(tl.where(taken > 0, float("-inf"), agg), e, E)
-            taken = tl.where(e == best, 1, taken)
-        admitted = taken > 0
     score = tl.sigmoid(tl.load(logits_ptr + t * E + e))
-    biased = tl.where(admitted, score + tl.load(bias_ptr + e), float("-inf"))
-    store_topk(score, biased, e, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM)
+    biased = tl.where(admitted, score + bias, float("-inf"))
+    store_topk(score, biased, e, logits_ptr, ids_ptr, w_ptr, t, scaling, E, TOPK, NORM, TOPK_SORT)

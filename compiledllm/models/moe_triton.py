@@ -4,17 +4,19 @@ At decode batch sizes an expert sees a few to a few dozen pairs, so the MoE is b
 weights. Each expert's pairs are cut into row tiles of BM; one program owns (row tile, N tile): it streams
 that N tile of its expert's weights and applies it to the tile's pairs, gathering token rows through the
 sort order instead of copying them. An expert many tokens chose (blocks of MASK tokens route alike) gets
-many row tiles that run in parallel and re-read its weights from L2. Six launches per call:
-  sort:    a zero fill of the E counters; each pair's position in its expert by an atomic add on them; its
-           slot = the expert's offset (cumsum of the counts) + position (order within an expert is arbitrary:
-           see sort_position_kernel); the offsets and each BM's row tiles per expert
+many row tiles that run in parallel and re-read its weights from L2. Four to six launches per call:
+  sort:    each pair's slot = its expert's offset (cumsum of the counts) + its position among that expert's pairs,
+           the offsets and each BM's row tiles per expert: one program up to SORT_SMALL_PAIRS pairs (positions in
+           pair order), else a zero fill of the E counters, positions by an atomic add on them (order within an
+           expert arbitrary: see sort_position_kernel) and a placing kernel
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[pair(p)] = w[pair(p)] * (act[p] @ Wd[e]^T)                     (pair = token * k + rank)
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
-A pair whose id is >= E (MoE.assign gives a dead token's pairs the id E) is skipped: it is not counted or
-placed, so no expert kernel reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k,
-weights) is one more kernel; block routing's two phases (models/block_routing.py) two more. Static shapes (the grid covers the most row tiles any routing can need; spare
-programs return at once), no host sync: it compiles and captures.
+A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed, so
+no expert kernel reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k, weights) is one
+more kernel; block routing (models/block_routing.py) one at decode, two on prefill chunks. Static shapes (the grid
+covers the most row tiles any routing can need; spare programs return at once), no host sync: it compiles and
+captures.
 Triton is imported lazily (CPU installs have none); `available()` says whether this path can run.
 """
 from __future__ import annotations
@@ -99,22 +101,42 @@ def _kernels():
     return moe_kernels
 
 
+# How the routers pick, from tools/bench/bench_block_routing.py --sweep on the H200 (docs/results.md, "Block-routed
+# MoE"): ROUTER_TOPK_SORT, each token's top-k by one bitonic sort of packed (score, id) keys (else top_k dependent
+# max reductions); BLOCK_ADMIT_SORT, a block's admitted experts by the same sort (else each expert's rank counted
+# over comparison tiles); BLOCK_ROUTE_ROW_MAX, rows of up to this many tokens (decode) take phase 1 inside the pick
+# kernel (no aggregate buffer, fill or atomic-max kernel; 0: never); BLOCK_ROUTE_WARPS, the block router's warps.
+ROUTER_TOPK_SORT = True
+BLOCK_ADMIT_SORT = True
+BLOCK_ROUTE_ROW_MAX = 128
+BLOCK_ROUTE_WARPS = 4
+
+
 @torch.library.custom_op("compiledllm::moe_route", mutates_args=())
-def moe_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-              norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] float32 -> (expert ids [T, k] int64, weights [T, k] float32), as MoE.route."""
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor | None, n_group: int, topk_group: int,
+              top_k: int, norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] float32 -> (expert ids [T, k] int64, weights [T, k] float32), as MoE.route; groups
+    [T] (the route groups, or None): a token's whose is < 0 is dead, its pairs id E and weight 0 (no expert)."""
+    return route_launch(logits, bias, groups, n_group, topk_group, top_k, norm, scaling)
+
+
+def route_launch(logits, bias, groups, n_group: int, topk_group: int, top_k: int, norm: bool, scaling: float,
+                 topk_sort: bool | None = None):
+    """The op's body (`topk_sort`: the benchmark's A/B; None: ROUTER_TOPK_SORT)."""
     from compiledllm.models.moe_kernels import route_kernel
 
     T, E = logits.shape
     ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    route_kernel[(T,)](logits, bias, ids, w, scaling, E=E, GROUPS=n_group, TOPK_GROUP=topk_group, TOPK=top_k,
-                       NORM=norm and top_k > 1)
+    if T:
+        route_kernel[(T,)](logits, bias, ids if groups is None else groups, ids, w, scaling, E=E, GROUPS=n_group,
+                           TOPK_GROUP=topk_group, TOPK=top_k, NORM=norm and top_k > 1,
+                           SORT=ROUTER_TOPK_SORT if topk_sort is None else topk_sort, DEAD=groups is not None)
     return ids, w
 
 
 @moe_route.register_fake
-def _(logits, bias, n_group, topk_group, top_k, norm, scaling):
+def _(logits, bias, groups, n_group, topk_group, top_k, norm, scaling):
     T = logits.shape[0]
     return logits.new_empty(T, top_k, dtype=torch.long), logits.new_empty(T, top_k)
 
@@ -126,41 +148,45 @@ def route_supported(x: torch.Tensor, experts: int, n_group: int) -> bool:
     return x.is_cuda and pow2(experts) and pow2(n_group) and experts // n_group >= 16 and available()
 
 
-# Warps of the block router's kernels and how the pick kernel admits experts (by rank over [32, E] comparison
-# tiles, or by CAPACITY dependent max reductions), from tools/bench/bench_block_routing.py --sweep on the H200
-# (2026-12-03, E 256, capacity 48, 32-1024 tokens): the op took 18-20 us by rank on 4 warps, 35-39 us by rank on
-# 1 warp, 22-28 us by max reductions on 1-4 warps (docs/results.md, "Block routing").
-BLOCK_ROUTE_WARPS = 4
-BLOCK_ROUTE_BY_RANK = True
-
-
 @torch.library.custom_op("compiledllm::moe_block_route", mutates_args=())
-def moe_block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, capacity: int, top_k: int,
-                    norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_block_route(logits: torch.Tensor, bias: torch.Tensor, groups: torch.Tensor, row: int, capacity: int,
+                    top_k: int, norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block routing (models/block_routing.py): router logits [T, E] float32, groups [T] int64 (a dense group index
-    in [0, T), -1 = a dead token: block_routing.route_index) -> (expert ids [T, k] int64, weights [T, k] float32)."""
-    return block_route_launch(logits, bias, groups, capacity, top_k, norm, scaling)
+    in [0, T), -1 = a dead token: block_routing.route_index), row: tokens per row (T = rows * row; no group spans
+    two rows) -> (expert ids [T, k] int64, weights [T, k] float32); a dead token's pairs get id E and weight 0
+    (no expert)."""
+    return block_route_launch(logits, bias, groups, row, capacity, top_k, norm, scaling)
 
 
-def block_route_launch(logits, bias, groups, capacity: int, top_k: int, norm: bool, scaling: float,
-                       warps: int = BLOCK_ROUTE_WARPS, by_rank: bool = BLOCK_ROUTE_BY_RANK):
-    """The op's body (`warps`, `by_rank`: benchmark sweeps). Two kernels: the groups' max aggregates (atomic max
-    into [T, E]: a row per possible group, most unused), then each token's admission and top-k."""
+def block_route_launch(logits, bias, groups, row: int, capacity: int, top_k: int, norm: bool, scaling: float,
+                       warps: int | None = None, admit_sort: bool | None = None, topk_sort: bool | None = None,
+                       row_max: int | None = None):
+    """The op's body (the keywords: the benchmark's sweeps; None: the module's settings above). Rows of at most
+    row_max tokens: one kernel, each token aggregating its group over its row; longer rows (prefill chunks): the
+    groups' max aggregates by atomic max into [T, E] (a row per possible group, most unused), then each token's
+    admission and top-k."""
     from compiledllm.models.moe_kernels import block_max_kernel, block_pick_kernel
 
     T, E = logits.shape
-    agg = torch.full((max(T, 1), E), float("-inf"), dtype=torch.float32, device=logits.device)
+    warps = BLOCK_ROUTE_WARPS if warps is None else warps
+    row_max = BLOCK_ROUTE_ROW_MAX if row_max is None else row_max
+    fused = 0 < row <= row_max
     ids = torch.empty(T, top_k, dtype=torch.long, device=logits.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    agg = ids if fused else torch.full((max(T, 1), E), float("-inf"), dtype=torch.float32, device=logits.device)
     if T:
-        block_max_kernel[(T,)](logits, bias, groups, agg, E=E, num_warps=warps)
-        block_pick_kernel[(T,)](logits, bias, groups, agg, ids, w, scaling, E=E, CAPACITY=capacity, TOPK=top_k,
-                                NORM=norm and top_k > 1, CHUNK=min(32, E), BY_RANK=by_rank, num_warps=warps)
+        if not fused:
+            block_max_kernel[(T,)](logits, bias, groups, agg, E=E, num_warps=warps)
+        block_pick_kernel[(T,)](
+            logits, bias, groups, agg, ids, w, scaling, E=E, CAPACITY=capacity, TOPK=top_k, NORM=norm and top_k > 1,
+            ROW=row if fused else 0, ROW_CHUNK=8, CHUNK=min(32, E),
+            ADMIT_SORT=fused or (BLOCK_ADMIT_SORT if admit_sort is None else admit_sort),
+            TOPK_SORT=ROUTER_TOPK_SORT if topk_sort is None else topk_sort, num_warps=warps)
     return ids, w
 
 
 @moe_block_route.register_fake
-def _(logits, bias, groups, capacity, top_k, norm, scaling):
+def _(logits, bias, groups, row, capacity, top_k, norm, scaling):
     T = logits.shape[0]
     return logits.new_empty(T, top_k, dtype=torch.long), logits.new_empty(T, top_k)
 
@@ -175,7 +201,7 @@ def moe_routed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, i
                weights: torch.Tensor) -> torch.Tensor:
     """x [T, D]; w_gate_up [E, 2F, D]; w_down [E, D, F]; ids [T, k] int64 expert ids; weights [T, k] float32
     routing weights (all contiguous). Returns the routed MoE output [T, D]: each token's k weighted expert
-    outputs summed. A pair with an id >= E (a dead token's, MoE.assign) is skipped: no expert kernel reads or
+    outputs summed. A pair with an id >= E (a dead token's, MoE.route) is skipped: no expert kernel reads or
     computes it and it adds 0 to its token's sum."""
     return launch(x, w_gate_up, w_down, ids, weights)
 
@@ -185,23 +211,34 @@ def _(x, w_gate_up, w_down, ids, weights):
     return torch.empty_like(x)
 
 
-def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int]
+# Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
+# and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs
+# (tools/bench/bench_block_routing.py --sweep times both on the H200; docs/results.md).
+SORT_SMALL_PAIRS = 512
+
+
+def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (order [T*k] int32: pair ids grouped by expert, offs [E+1] int32: each expert's first
     slot, offs[E] the end of the last, tile_end [2, E] int32: inclusive cumsum of ceil(count / BM) for the two
-    BMs). Pairs with ids >= E are skipped (no slot; order past offs[E] is unspecified). A zero fill and two
-    kernels over all the pairs: counting in one program (tl.histogram) took longer from T ~ 1024 tokens on the
-    H200 (9.6 vs 6.3 us per call at T = 1024, k = 8)."""
+    BMs). Pairs with ids >= E are skipped (no slot; order past offs[E] is unspecified). `small` (None: up to
+    SORT_SMALL_PAIRS pairs) picks the one-program form; else a zero fill and two kernels over all the pairs
+    (counting in one program took longer from T ~ 1024 tokens on the H200: 9.6 vs 6.3 us at T = 1024, k = 8)."""
     kern = _kernels()
     pairs = ids.numel()
     i32 = dict(dtype=torch.int32, device=ids.device)
-    counts, pos, order = torch.zeros(experts, **i32), torch.empty(pairs, **i32), torch.empty(pairs, **i32)
+    order = torch.empty(pairs, **i32)
     offs, tile_end = torch.empty(experts + 1, **i32), torch.empty(2, experts, **i32)
+    e_p2 = 1 << (experts - 1).bit_length()
+    if (pairs <= SORT_SMALL_PAIRS) if small is None else small:
+        kern.sort_small_kernel[(1,)](ids, order, offs, tile_end, pairs, E=experts, E_P2=e_p2, BM_UP=block_ms[0],
+                                     BM_DOWN=block_ms[1], BLOCK=32, num_warps=4)
+        return order, offs, tile_end
+    counts, pos = torch.zeros(experts, **i32), torch.empty(pairs, **i32)
     grid = (-(-pairs // 128),)
     kern.sort_position_kernel[grid](ids, counts, pos, pairs, experts, BLOCK=128)
-    kern.sort_place_kernel[grid](ids, counts, pos, order, offs, tile_end, pairs, E=experts,
-                                 E_P2=1 << (experts - 1).bit_length(), BM_UP=block_ms[0], BM_DOWN=block_ms[1],
-                                 BLOCK=128)
+    kern.sort_place_kernel[grid](ids, counts, pos, order, offs, tile_end, pairs, E=experts, E_P2=e_p2,
+                                 BM_UP=block_ms[0], BM_DOWN=block_ms[1], BLOCK=128)
     return order, offs, tile_end
 
 

@@ -122,7 +122,7 @@ class TouchedExperts:
 
 @contextmanager
 def count_touched(model) -> Iterator[TouchedExperts]:
-    """Count the distinct experts every MoE layer's routing picks (MoE.assign: dead tokens' pairs excluded) in each
+    """Count the distinct experts every MoE layer's routing picks (MoE.route: dead tokens' pairs excluded) in each
     eager forward run inside the block: a forward pre-hook on each MoE (torch's hook API; removed on leaving,
     nothing else about the model changes) routes the layer's input once more and counts it (one host sync per
     layer and forward). For eager forwards (touched_after's, the benchmark's): a replayed CUDA graph runs no Python
@@ -146,7 +146,7 @@ def _count(moe: MoE, args: tuple, kwargs: dict, counts: list[int]) -> None:
     given = dict(zip(("x", "backend", "groups"), args)) | kwargs
     x, groups = given["x"], given.get("groups")
     rows = None if groups is None else groups.reshape(-1, x.shape[-2])
-    ids, _ = moe.assign(x.reshape(-1, x.shape[-1]), given.get("backend", "auto"), rows)
+    ids, _ = moe.route(x.reshape(-1, x.shape[-1]), given.get("backend", "auto"), rows)
     counts.append(int(torch.unique(ids[ids < moe.cfg.num_experts]).numel()))
 
 

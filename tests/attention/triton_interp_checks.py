@@ -45,13 +45,24 @@ def routed() -> None:
         # the sort prelude: exact offsets and row tiles, and an expert-grouped permutation of the pairs
         flat = ids.flatten()
         counts = torch.bincount(flat, minlength=E).int()
-        for bm_pair in [(16, 32), (64, 64)]:
-            order, offs, tile_end = moe_triton.sort_pairs(ids, E, bm_pair)
-            assert torch.equal(offs, F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))), (T, E, k, routing)
+        for bm_pair, small in [((16, 32), True), ((16, 32), False), ((64, 64), True), ((64, 64), False)]:
+            order, offs, tile_end = moe_triton.sort_pairs(ids, E, bm_pair, small)
+            case = (T, E, k, routing, small)
+            assert torch.equal(offs, F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))), case
             for row, bm in zip(tile_end, bm_pair):
-                assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32)), (T, E, k, routing, bm)
-            assert torch.equal(order.sort().values, torch.arange(T * k, dtype=torch.int32)), (T, E, k, routing)
-            assert torch.equal(flat[order.long()], flat.sort().values), (T, E, k, routing)
+                assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32)), (*case, bm)
+            assert torch.equal(order.sort().values, torch.arange(T * k, dtype=torch.int32)), case
+            assert torch.equal(flat[order.long()], flat.sort().values), case
+            if small:  # one program: pairs keep their order within an expert
+                assert torch.equal(order.long(), flat.sort(stable=True).indices), case
+        dead = ids.clone()
+        dead[::3] = E  # a dead token's pairs (id E): no slot, not counted
+        want = torch.bincount(dead.flatten(), minlength=E + 1)[:E].int()
+        for small in (True, False):
+            order, offs, _ = moe_triton.sort_pairs(dead, E, (16, 16), small)
+            assert torch.equal(offs, F.pad(want.cumsum(0, dtype=torch.int32), (1, 0))), (T, E, k, routing, small)
+            assert torch.equal(dead.flatten()[order[: offs[E]].long()],
+                               dead.flatten()[dead.flatten() < E].sort().values), (T, E, k, routing, small)
         # the whole op (sort, experts, combine) against float64, the activation rounded to fp16 as stored
         out = moe_triton.launch(x, wgu, wd, ids, w, tiles)
         gate, up = torch.einsum("td,tkfd->tkf", x.double(), wgu.double()[ids]).chunk(2, dim=-1)
@@ -76,17 +87,24 @@ def routing() -> None:
             x = torch.randn(40, 32)
             for shift in (0.0, -0.8):  # -0.8: most biased scores negative (the dropped groups' fill matters)
                 moe.expert_bias.normal_(std=0.1).add_(shift)
-                ids, w = moe.route(x)  # torch routing (no CUDA)
-                fused_ids, fused_w = torch.ops.compiledllm.moe_route(x @ moe.gate.t(), moe.expert_bias, G, TG, K,
-                                                                     True, 2.5)
-                assert torch.equal(fused_ids, ids), (E, G, TG, K, shift)
-                torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
+                groups = (torch.arange(40) // 8)[None].clone()
+                groups[0, 5:9] = -1  # dead tokens: no expert (id E, weight 0)
+                for given in (None, groups):
+                    ids, w = moe.route(x, groups=given)  # torch routing (no CUDA)
+                    assert given is None or ((ids[5:9] == E).all() and (w[5:9] == 0).all())
+                    for topk_sort in (True, False):
+                        fused_ids, fused_w = moe_triton.route_launch(
+                            x @ moe.gate.t(), moe.expert_bias, None if given is None else given.reshape(-1), G, TG,
+                            K, True, 2.5, topk_sort=topk_sort)
+                        assert torch.equal(fused_ids, ids), (E, G, TG, K, shift, topk_sort)
+                        torch.testing.assert_close(fused_w, w, rtol=1e-6, atol=1e-6)
     block_routing()
 
 
 def block_routing() -> None:
-    """Both admissions of the block router (by rank, by dependent max picks) against the torch block_route: exact
-    ties, a dead token, capacities from top_k to every expert, groups sharing a row and rows sharing a value."""
+    """Every form of the block router (phase 1 by atomic max or inside the pick kernel per row; admission by sort or
+    by rank tiles; top-k by sort or by dependent max picks) against the torch block_route: exact ties, a dead token
+    (no expert), capacities from top_k to every expert, groups sharing a row and rows sharing a value."""
     from compiledllm.models.block_routing import block_route, route_index
 
     g = torch.Generator().manual_seed(1)
@@ -96,15 +114,20 @@ def block_routing() -> None:
         logits = torch.randn(rows * Q, E, generator=g)
         logits[:, 3:6] = logits[:, 3:4]  # exact ties: the lower id first on every path
         bias = torch.randn(E, generator=g) * 0.1
+        bias[3:6] = bias[3]  # biased scores tie too (selection compares them)
+        logits[:, 3:6] += 3.0  # in every token's top-k and every group's admitted set: the ties decide the order
+        logits[1, 7] = -60.0  # a biased score below 0 (the sort keys' negative half) in the admitted pools
         groups = (torch.arange(Q) // block).repeat(rows, 1)
         groups[0, -1] = -1
         want_ids, want_w = block_route(logits, bias, groups, cfg)
-        live = groups.reshape(-1) >= 0
-        for by_rank in (True, False):
-            ids, w = moe_triton.block_route_launch(logits, bias, route_index(groups), C, K, True, 2.5,
-                                                   by_rank=by_rank)
-            assert torch.equal(ids[live], want_ids[live]), (E, C, K, by_rank)
-            torch.testing.assert_close(w[live], want_w[live], rtol=1e-6, atol=1e-6)
+        index = route_index(groups)
+        for row_max, admit_sort, topk_sort in [(0, True, True), (0, False, False), (0, False, True), (Q, None, True),
+                                               (Q, None, False)]:
+            ids, w = moe_triton.block_route_launch(logits, bias, index, Q, C, K, True, 2.5, admit_sort=admit_sort,
+                                                   topk_sort=topk_sort, row_max=row_max)
+            case = (E, C, K, row_max, admit_sort, topk_sort)
+            assert torch.equal(ids, want_ids) and (ids[Q - 1] == E).all(), case
+            torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-6)
 
 
 def confidence_kernel() -> None:

@@ -1,4 +1,4 @@
-"""The Triton routed-expert op with skipped pairs (id >= E: a dead token's, MoE.assign), run by the Triton interpreter
+"""The Triton routed-expert op with skipped pairs (id >= E: a dead token's, MoE.route), run by the Triton interpreter
 on the CPU (TRITON_INTERPRET=1, set by test_route_groups.py, which runs this file in a subprocess). fp16: the
 interpreter has no bf16. Prints "ok" at the end."""
 from __future__ import annotations

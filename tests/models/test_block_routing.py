@@ -214,7 +214,7 @@ def test_dead_tokens_take_no_part_and_blocks_use_at_most_capacity_experts(models
     groups = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1], [-1, 5, 5, -1, 5, -1, -1, -1]])
     live = groups >= 0
     with torch.no_grad():
-        ids, w = moe.assign(x.reshape(-1, x.shape[-1]), "auto", groups)
+        ids, w = moe.route(x.reshape(-1, x.shape[-1]), "auto", groups)
         flat = live.reshape(-1)
         assert (ids[~flat] == E).all() and (w[~flat] == 0).all() and (ids[flat] < E).all()
         for r, blk in [(0, 0), (0, 1), (1, 5)]:
@@ -286,13 +286,19 @@ def test_triton_router_equals_the_torch_routing(capacity, T, blocks):
     logits = torch.randn(T, 256, device="cuda", generator=g)
     logits[:, 100:104] = logits[:, 100:101]  # exact ties: the lower id first on both paths
     bias = torch.randn(256, device="cuda", generator=g) * 0.1
-    groups = (torch.arange(T, device="cuda") // (T // blocks))[None]
-    groups[0, -3:] = -1  # dead tokens take no part
-    want_ids, want_w = block_route(logits, bias, groups, cfg)
-    ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, route_index(groups), capacity, 8, True, 2.5)
-    live = groups.reshape(-1) >= 0
-    assert torch.equal(ids[live], want_ids[live])
-    assert torch.allclose(w[live], want_w[live], rtol=1e-6, atol=1e-7)
+    for groups in ((torch.arange(T, device="cuda") // (T // blocks))[None],  # one row of `blocks` groups
+                   torch.arange(blocks, device="cuda")[:, None].expand(-1, T // blocks).clone()):  # a row a group
+        groups[-1, -3:] = -1  # dead tokens take no part
+        want_ids, want_w = block_route(logits, bias, groups, cfg)
+        index, row = route_index(groups), groups.shape[1]
+        ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, index, row, capacity, 8, True, 2.5)
+        assert torch.equal(ids, want_ids) and (ids[-3:] == 256).all() and (w[-3:] == 0).all()  # dead: no expert
+        assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
+        for row_max, admit_sort, topk_sort in [(0, True, True), (0, False, False), (row, None, False)]:
+            ids, w = moe_triton.block_route_launch(logits, bias, index, row, capacity, 8, True, 2.5,
+                                                   admit_sort=admit_sort, topk_sort=topk_sort, row_max=row_max)
+            assert torch.equal(ids, want_ids), (row, row_max, admit_sort, topk_sort)
+            assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
     assert moe_triton.block_route_supported(logits, 256)
 
 

@@ -44,7 +44,7 @@ def test_dead_tokens_route_nowhere_and_live_ones_are_bitwise_unchanged():
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
     live = GROUPS >= 0
     with torch.no_grad():
-        ids, w = moe.assign(x.reshape(-1, 16), "grouped_mm", GROUPS)
+        ids, w = moe.route(x.reshape(-1, 16), "grouped_mm", GROUPS)
         base_ids, base_w = moe.route(x.reshape(-1, 16), "grouped_mm")
         flat = live.reshape(-1)
         assert torch.equal(ids[flat], base_ids[flat]) and torch.equal(w[flat], base_w[flat])
@@ -85,7 +85,7 @@ def test_expert_parallel_ranks_skip_dead_pairs():
     moe = moe_layer()
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ids, w = moe.assign(x, "grouped_mm", GROUPS.reshape(1, -1))
+        ids, w = moe.route(x, "grouped_mm", GROUPS.reshape(1, -1))
         whole = moe._routed(x, ids, w, "grouped_mm", skip=True)
         parts = []
         for first in (0, E // 2):

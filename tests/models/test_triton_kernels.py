@@ -196,7 +196,7 @@ def test_bf16_router_logits_match_the_float32_upcast():
 @pytest.mark.parametrize("shape", [(32, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (600, 16, 4, 128, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_dead_tokens_are_skipped(shape):
-    """Pairs with the id E (dead tokens, MoE.assign) take no expert work: the live tokens' outputs are bitwise those
+    """Pairs with the id E (dead tokens, MoE.route) take no expert work: the live tokens' outputs are bitwise those
     of the call where the dead tokens routed (Triton), the dead tokens' sums are 0, the torch grouped path agrees."""
     T, E, k, D, F = shape
     moe = moe_layer(E, k, D, F)
@@ -206,7 +206,7 @@ def test_dead_tokens_are_skipped(shape):
     live = groups >= 0
     with torch.no_grad():
         ids, w = moe.route(x)
-        dead_ids, dead_w = moe.assign(x, "auto", groups[None])
+        dead_ids, dead_w = moe.route(x, "auto", groups[None])
         assert (dead_ids[~live] == E).all() and (dead_w[~live] == 0).all()
         today = moe._routed(x, ids, w, "triton")
         tri = moe._routed(x, dead_ids, dead_w, "triton")

@@ -22,6 +22,7 @@ torch block_route on the same logits (ids equal, weights allclose).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -93,7 +94,7 @@ def measure(moe: MoE, x: torch.Tensor, groups: torch.Tensor, timer: Callable[[Ca
     flat = x.view(-1, D)
     block = c.expert_capacity is not None
     index = route_index(groups) if block else None  # the model makes it once per forward, not per layer
-    ids, w = moe.assign(flat, "auto", groups, index)
+    ids, w = moe.route(flat, "auto", groups, index)
     per_block, union = touched(ids, c.num_experts, rows)
     weight_bytes = union * 3 * D * c.expert_dim * 2 + c.num_experts * D * 2  # experts read + the router's gate
     nbytes = weight_bytes + rows * q * D * 2 * (1 + c.top_k)  # + x in, the k partial outputs out (as bench_moe)
@@ -123,8 +124,8 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
     """The Triton block router against the torch block_route on the same logits."""
     c = moe.cfg
     logits = router_logits(x.view(-1, x.shape[-1]), moe.gate)
-    ids, w = torch.ops.compiledllm.moe_block_route(logits, moe.expert_bias, route_index(groups), c.expert_capacity, c.top_k,
-                                                   c.norm_topk_prob, c.routed_scaling)
+    ids, w = torch.ops.compiledllm.moe_block_route(logits, moe.expert_bias, route_index(groups), groups.shape[1],
+                                                   c.expert_capacity, c.top_k, c.norm_topk_prob, c.routed_scaling)
     ref_ids, ref_w = block_route(logits, moe.expert_bias, groups, c)
     return {"ids_equal": bool(torch.equal(ids, ref_ids)),
             "tokens_with_other_ids": int((ids != ref_ids).any(-1).sum()),
@@ -132,19 +133,58 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
 
 
+# The router and sort forms before this session's kernels (top-k by dependent max picks, admission by rank tiles
+# over an atomic-max aggregate, the three-kernel sort) and the module's defaults now; `--legacy-forms` runs the
+# whole benchmark under the first (dead-token pairs still leave the routers as no-expert pairs either way).
+LEGACY = {"ROUTER_TOPK_SORT": False, "BLOCK_ADMIT_SORT": False, "BLOCK_ROUTE_ROW_MAX": 0, "SORT_SMALL_PAIRS": 0}
+
+
+@contextlib.contextmanager
+def forms(**settings):
+    """moe_triton's kernel-form settings for the duration (restored after)."""
+    before = {k: getattr(moe_triton, k) for k in settings}
+    for k, v in settings.items():
+        setattr(moe_triton, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(moe_triton, k, v)
+
+
 @torch.no_grad()
-def sweep(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict:
-    """What the router's and the experts' settings cost at this shape: the block router's kernels by warps and
-    admission (on fixed logits), and the experts' (gate_up, down) tiles on the block-routed assignment (gate_up
-    tiles first with the default down tile, then down tiles with the best gate_up), CUDA-graph medians."""
+def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict:
+    """What the routers', the sort's and the experts' forms cost at this shape, CUDA-graph medians: the block
+    router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
+    warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
+    whole layer of both routings under the legacy forms and the defaults; the experts' (gate_up, down) tiles on
+    the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
+    gate_up)."""
     c, D = moe.cfg, x.shape[-1]
     flat = x.view(-1, D)
-    logits, index = router_logits(flat, moe.gate), route_index(groups)
-    router = [{"warps": warps, "by_rank": by_rank, "ms": graph_ms(lambda: moe_triton.block_route_launch(
-        logits, moe.expert_bias, index, c.expert_capacity, c.top_k, c.norm_topk_prob, c.routed_scaling,
-        warps=warps, by_rank=by_rank))} for warps in (1, 2, 4) for by_rank in (True, False)]
-    ids, w = moe.assign(flat, "auto", groups, index)
+    logits, index, row = router_logits(flat, moe.gate), route_index(groups), groups.shape[1]
+    live = groups.reshape(-1)
+    block_forms = [("row", row, None, True), ("row", row, None, False), ("atomic", 0, True, True),
+                   ("atomic", 0, False, True), ("atomic", 0, False, False)]
+    router = [{"phase1": p1, "admit": "sort" if admit is not False else "rank", "topk": "sort" if ts else "max",
+               "warps": warps, "ms": graph_ms(lambda: moe_triton.block_route_launch(
+                   logits, moe.expert_bias, index, row, c.expert_capacity, c.top_k, c.norm_topk_prob,
+                   c.routed_scaling, warps=warps, admit_sort=admit, topk_sort=ts, row_max=rm))}
+              for p1, rm, admit, ts in block_forms for warps in (1, 2, 4, 8)]
+    sc = standard.cfg
+    std_router = [{"topk": "sort" if ts else "max", "ms": graph_ms(lambda: moe_triton.route_launch(
+        logits, standard.expert_bias, live, sc.n_group, sc.topk_group, sc.top_k, sc.norm_topk_prob,
+        sc.routed_scaling, topk_sort=ts))} for ts in (True, False)]
+    ids, w = moe.route(flat, "auto", groups, index)
     up0, down0 = moe_triton.default_tiles(ids.numel(), c.num_experts, D, c.expert_dim)
+    bms = (up0.block_m, down0.block_m)
+    sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
+        lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
+    layers = {}
+    for name, settings in (("legacy", LEGACY), ("default", {})):
+        with forms(**settings):
+            layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
+                            "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
 
     def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile) -> float:
         return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down)))
@@ -164,9 +204,48 @@ def sweep(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict:
         forward_best = graph_ms(lambda: moe(x, "auto", groups, index))
     finally:
         moe_triton.default_tiles = default_tiles
-    return {"router": router, "default_tiles": [dataclasses.asdict(up0), dataclasses.asdict(down0)],
+    return {"router": router, "standard_router": std_router, "sort": sort, "layers": layers,
+            "default_tiles": [dataclasses.asdict(up0), dataclasses.asdict(down0)],
             "default_ms": tiles_ms(up0, down0), "gate_up": ups, "down": downs,
             "best": {"gate_up": best_up, "down": best_down}, "forward_ms_best_tiles": forward_best}
+
+
+def print_sweep(s: dict) -> None:
+    best = s["best"]
+    fastest = sorted(s["router"], key=lambda r: r["ms"])[:4]
+    print(f"sweep {s['shape']} B={s['batch']}: block router fastest " + ", ".join(
+        f"{r['phase1']}/{r['admit']}/{r['topk']}/w{r['warps']} {r['ms'] * 1e3:.1f}us" for r in fastest)
+        + "; all: " + ", ".join(f"{r['phase1']}/{r['admit']}/{r['topk']}/w{r['warps']} {r['ms'] * 1e3:.1f}"
+                                for r in s["router"]), flush=True)
+    print(f"sweep {s['shape']} B={s['batch']}: standard router " + ", ".join(
+        f"topk {r['topk']} {r['ms'] * 1e3:.1f}us" for r in s["standard_router"]) + "; sort " + ", ".join(
+        f"{k} {v * 1e3:.1f}us" for k, v in s["sort"].items()) + "; layer legacy forms std/block " +
+        "{standard_ms:.4f}/{block_ms:.4f} ms, defaults {d[standard_ms]:.4f}/{d[block_ms]:.4f} ms".format(
+            **s["layers"]["legacy"], d=s["layers"]["default"]) +
+        f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
+        f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
+        flush=True)
+
+
+@torch.no_grad()
+def kernels(moe: MoE, x: torch.Tensor, groups: torch.Tensor, calls: int = 20) -> dict:
+    """The layer's CUDA kernels by time per call (the profiler over eager calls: kernel durations, not the
+    launch gaps a graph replay removes) and their sum, to set beside the graph replay's forward_ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from compiledllm.profiler import top_ops
+
+    index = route_index(groups) if moe.cfg.expert_capacity is not None else None
+    for _ in range(3):
+        moe(x, "auto", groups, index)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            moe(x, "auto", groups, index)
+        torch.cuda.synchronize()
+    rows = [{"kernel": r["name"][:90], "calls": r["calls"] / calls, "us": r["total_ms"] * 1e3 / calls}
+            for r in top_ops(prof, cuda=True, limit=None)]
+    return {"kernels": rows, "kernel_us_sum": sum(r["us"] for r in rows)}
 
 
 def table(records: list[dict]) -> None:
@@ -191,9 +270,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: torch path, eager timing")
     ap.add_argument("--sweep", default="", help="batches (e.g. 1,8) at which to also time the block router's "
                                                 "variants and the experts' tiles under block routing (CUDA)")
+    ap.add_argument("--legacy-forms", action="store_true",
+                    help="the whole run with the router and sort forms of before (LEGACY), for an A/B")
+    ap.add_argument("--kernels", action="store_true", help="also list each layer's CUDA kernels by time (CUDA)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
+    with forms(**(LEGACY if args.legacy_forms else {})):
+        run(args, smoke)
+
+
+def run(args: argparse.Namespace, smoke: bool) -> None:
     if not smoke and not torch.cuda.is_available():
         sys.exit("bench_block_routing: needs CUDA (or --cpu-smoke)")
     device = "cpu" if smoke else "cuda"
@@ -216,23 +303,25 @@ def main(argv: list[str] | None = None) -> None:
             for r in pair:
                 r |= {"shape": shape.name, "label": shape.label}
                 print(json.dumps(r), flush=True)
+            if args.kernels and not smoke:
+                for m, r in zip((standard, blocked), pair):
+                    r["kernel_profile"] = kernels(m, x, groups)
+                    print(f"kernels {shape.name} B={batch} {r['routing']}: graph {r['forward_ms'] * 1e3:.1f} us, "
+                          f"kernels {r['kernel_profile']['kernel_us_sum']:.1f} us: " + "; ".join(
+                              f"{k['kernel'][:40]} {k['us']:.1f}" for k in r["kernel_profile"]["kernels"]),
+                          flush=True)
             records += pair
             if not smoke:
                 checks.append({"shape": shape.name, "batch": batch, **check_op(blocked, x, groups)})
                 print("Triton moe_block_route vs torch block_route:", json.dumps(checks[-1]), flush=True)
             if str(batch) in args.sweep.split(",") and not smoke:
-                sweeps.append({"shape": shape.name, "batch": batch, **sweep(blocked, x, groups)})
-                best = sweeps[-1]["best"]
-                print(f"sweep {shape.name} B={batch}: router " + ", ".join(
-                    f"w{r['warps']}{'rank' if r['by_rank'] else 'loop'} {r['ms'] * 1e3:.1f}us"
-                    for r in sweeps[-1]["router"]) + f"; experts default {sweeps[-1]['default_ms']:.4f} ms, "
-                    f"best up {best['gate_up']['tile']} -> down {best['down']['tile']} {best['down']['ms']:.4f} ms; "
-                    f"layer fwd with them {sweeps[-1]['forward_ms_best_tiles']:.4f} ms",
-                    flush=True)
+                sweeps.append({"shape": shape.name, "batch": batch, **sweep(standard, blocked, x, groups)})
+                print_sweep(sweeps[-1])
         del standard, blocked
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
-           "block": BLOCK, "capacity": capacity, "shared_expert": "excluded (runs on every token either way)",
+           "block": BLOCK, "capacity": capacity, "forms": {k: getattr(moe_triton, k) for k in LEGACY},
+           "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
            **({"sweeps": sweeps} if sweeps else {})}

@@ -140,7 +140,8 @@ def attach_load_counters(model, backend: str | None = None) -> list[MoE]:
     for m in moes:
         def route(x, fwd_backend="auto", groups=None, index=None, m=m):
             ids, w = type(m).route(m, x, backend or fwd_backend, groups, index)
-            flat = ids.flatten()  # scatter_add rather than bincount: no host sync
+            flat = ids.flatten().clamp(max=m.cfg.num_experts - 1)  # a block router's dead pairs: id E, counted 0
+            # scatter_add rather than bincount: no host sync
             live = torch.ones_like(flat) if groups is None else \
                 (groups.reshape(-1, 1) >= 0).expand_as(ids).flatten().long()
             m._load = torch.zeros(m.cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, live)
