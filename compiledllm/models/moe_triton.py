@@ -101,14 +101,16 @@ def _kernels():
     return moe_kernels
 
 
-# How the routers pick, from tools/bench/bench_block_routing.py --sweep on the H200 (docs/results.md, "Block-routed
-# MoE"): ROUTER_TOPK_SORT, each token's top-k by one bitonic sort of packed (score, id) keys (else top_k dependent
-# max reductions); BLOCK_ADMIT_SORT, a block's admitted experts by the same sort (else each expert's rank counted
-# over comparison tiles); BLOCK_ROUTE_ROW_MAX, rows of up to this many tokens (decode) take phase 1 inside the pick
-# kernel (no aggregate buffer, fill or atomic-max kernel; 0: never); BLOCK_ROUTE_WARPS, the block router's warps.
-ROUTER_TOPK_SORT = True
-BLOCK_ADMIT_SORT = True
-BLOCK_ROUTE_ROW_MAX = 128
+# How the routers pick. ROUTER_TOPK_SORT: each token's top-k by one bitonic sort of packed (score, id) keys (else
+# top_k dependent max reductions); BLOCK_ADMIT_SORT: a block's admitted experts by the same sort (else each
+# expert's rank counted over comparison tiles); BLOCK_ROUTE_ROW_MAX: rows of up to this many tokens (decode) take
+# phase 1 inside the pick kernel (no aggregate buffer, fill or atomic-max kernel; 0: never). The defaults are the
+# forms measured on the H200 (2026-12-03, tools/bench/bench_block_routing.py --sweep: the block op 18.4 us by rank
+# on 4 warps); the sort and per-row forms pass the interpreter's exactness checks but have not run on a GPU yet:
+# `bench_block_routing.py --sweep 1,8` times every form and the layer under each, to choose from.
+ROUTER_TOPK_SORT = False
+BLOCK_ADMIT_SORT = False
+BLOCK_ROUTE_ROW_MAX = 0
 BLOCK_ROUTE_WARPS = 4
 
 
@@ -212,9 +214,9 @@ def _(x, w_gate_up, w_down, ids, weights):
 
 
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
-# and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs
-# (tools/bench/bench_block_routing.py --sweep times both on the H200; docs/results.md).
-SORT_SMALL_PAIRS = 512
+# and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs.
+# 0 (never) until tools/bench/bench_block_routing.py --sweep has timed both on a GPU.
+SORT_SMALL_PAIRS = 0
 
 
 def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small: bool | None = None

@@ -133,10 +133,9 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
 
 
-# The router and sort forms before this session's kernels (top-k by dependent max picks, admission by rank tiles
-# over an atomic-max aggregate, the three-kernel sort) and the module's defaults now; `--legacy-forms` runs the
-# whole benchmark under the first (dead-token pairs still leave the routers as no-expert pairs either way).
-LEGACY = {"ROUTER_TOPK_SORT": False, "BLOCK_ADMIT_SORT": False, "BLOCK_ROUTE_ROW_MAX": 0, "SORT_SMALL_PAIRS": 0}
+# The router and sort forms not yet measured (top-k and admission by sort, block phase 1 per decode row, the
+# one-program sort), against moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
+CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512}
 
 
 @contextlib.contextmanager
@@ -157,7 +156,7 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     """What the routers', the sort's and the experts' forms cost at this shape, CUDA-graph medians: the block
     router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
     warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
-    whole layer of both routings under the legacy forms and the defaults; the experts' (gate_up, down) tiles on
+    whole layer of both routings under the defaults and the candidate forms; the experts' (gate_up, down) tiles on
     the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
     gate_up)."""
     c, D = moe.cfg, x.shape[-1]
@@ -181,7 +180,7 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
         lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
     layers = {}
-    for name, settings in (("legacy", LEGACY), ("default", {})):
+    for name, settings in (("default", {}), ("candidate", CANDIDATE)):
         with forms(**settings):
             layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
                             "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
@@ -219,9 +218,9 @@ def print_sweep(s: dict) -> None:
                                 for r in s["router"]), flush=True)
     print(f"sweep {s['shape']} B={s['batch']}: standard router " + ", ".join(
         f"topk {r['topk']} {r['ms'] * 1e3:.1f}us" for r in s["standard_router"]) + "; sort " + ", ".join(
-        f"{k} {v * 1e3:.1f}us" for k, v in s["sort"].items()) + "; layer legacy forms std/block " +
-        "{standard_ms:.4f}/{block_ms:.4f} ms, defaults {d[standard_ms]:.4f}/{d[block_ms]:.4f} ms".format(
-            **s["layers"]["legacy"], d=s["layers"]["default"]) +
+        f"{k} {v * 1e3:.1f}us" for k, v in s["sort"].items()) + "; layer std/block, default forms " +
+        "{standard_ms:.4f}/{block_ms:.4f} ms, candidate forms {c[standard_ms]:.4f}/{c[block_ms]:.4f} ms".format(
+            **s["layers"]["default"], c=s["layers"]["candidate"]) +
         f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
         f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
         flush=True)
@@ -270,13 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU: torch path, eager timing")
     ap.add_argument("--sweep", default="", help="batches (e.g. 1,8) at which to also time the block router's "
                                                 "variants and the experts' tiles under block routing (CUDA)")
-    ap.add_argument("--legacy-forms", action="store_true",
-                    help="the whole run with the router and sort forms of before (LEGACY), for an A/B")
+    ap.add_argument("--candidate-forms", action="store_true",
+                    help="the whole run with the unmeasured router and sort forms (CANDIDATE), for an A/B")
     ap.add_argument("--kernels", action="store_true", help="also list each layer's CUDA kernels by time (CUDA)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
-    with forms(**(LEGACY if args.legacy_forms else {})):
+    with forms(**(CANDIDATE if args.candidate_forms else {})):
         run(args, smoke)
 
 
@@ -320,7 +319,7 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
         del standard, blocked
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
-           "block": BLOCK, "capacity": capacity, "forms": {k: getattr(moe_triton, k) for k in LEGACY},
+           "block": BLOCK, "capacity": capacity, "forms": {k: getattr(moe_triton, k) for k in CANDIDATE},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,

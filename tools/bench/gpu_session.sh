@@ -180,7 +180,7 @@ if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alon
   timeout ${BLOCKROUTE_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/models/test_block_routing.py -p no:cacheprovider \
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
   timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
-    ${BLOCKROUTE_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
+    ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
   for r in ${BLOCKROUTE_RECIPES:-bench_block48_standard bench_block48}; do
     timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
       --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep -v -i warn \
