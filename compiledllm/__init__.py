@@ -12,6 +12,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# first: it records TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR as the user gave them, before torch's import of
+# Dynamo writes its own default there (compile_cache.py); it imports nothing else
+from compiledllm import compile_cache as _compile_cache  # noqa: E402, F401
+
 _LAZY = {
     "load_model": ("compiledllm.loader", "load_model"),
     "run": ("compiledllm.runner", "run"),

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -119,19 +119,21 @@ def _rate(n: float, s: float) -> float | None:
     return n / s if s > 0 else None
 
 
-def run_point(model, config: EngineConfig, prompts: list[list[int]], arrivals: list[float] | None) -> dict:
+def run_point(model, config: EngineConfig, prompts: list[list[int]], arrivals: list[float] | None,
+              on_startup: Callable[[int, int, str], None] | None = None) -> dict:
     """One generate() of `prompts` under `config`, measured: the point's JSON record (bench docstring)."""
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     engine = Engine(model, config)
-    results = engine.generate(prompts, arrivals=arrivals)
+    results = engine.generate(prompts, arrivals=arrivals, on_startup=on_startup)
     s = engine.stats
     lat = [r.latency_s for r in results]
     rec = {
         "batch": min(config.batch_size, len(prompts)), "requests": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": s.generated_tokens,
         "wall_s": s.wall_s, "startup_s": s.startup_s,
+        "compile_cache": asdict(engine.compile_cache) if engine.compile_cache is not None else None,
         "prefill_tokens": s.prefill_tokens, "prefill_forwards": s.prefill_forwards, "prefill_s": s.prefill_s,
         "prefill_tokens_per_s": _rate(s.prefill_tokens, s.prefill_s),
         "decode_steps": s.decode_steps, "decode_s": s.decode_s,
@@ -185,9 +187,11 @@ def plan(settings: BenchSettings, recipe: Recipe) -> list[tuple[int | None, int,
 
 def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
               on_start: Callable[[int], None] | None = None, on_progress: Callable[[str], None] | None = None,
-              on_point: Callable[[dict], None] | None = None) -> dict:
+              on_point: Callable[[dict], None] | None = None,
+              on_startup: Callable[[int, int, str], None] | None = None) -> dict:
     """Every point of the grid for the recipe at `path`; the report (settings, device, points) that --out writes.
     on_point gets the report so far after each point (the CLI writes it then: a run cut short keeps its points);
+    on_startup(done, total, what): each engine's compile / capture progress (the warm-up's and every point's);
     a stop signal during the points raises BenchInterrupted with the points that finished."""
     from compiledllm.parallel import init_mesh
     from compiledllm.policies import policy_name
@@ -218,11 +222,13 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
     if on_start is not None:
         on_start(len(points))
     if model.device.type == "cuda":
-        _warm_up(model, base, block, max(len(p) for p in given) if given else max(settings.prompt_lens), settings.seed)
+        _warm_up(model, base, block, max(len(p) for p in given) if given else max(settings.prompt_lens), settings.seed,
+                 on_startup)
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     report = {"recipe": str(path), "overrides": list(overrides or []), "model": recipe.model.name,
               "routing": recipe.model.routing, "dtype": recipe.model.dtype, "policy": resolved_policy(recipe.policy),
-              "policy_name": policy_name(recipe.policy_config()), "block": block, "compile": base.compile,
+              "policy_name": policy_name(recipe.policy_config()), "block": block, "compile": probe_engine.compile,
+              "compile_asked": base.compile,
               "cuda_graphs": probe_engine.cuda_graphs, "cuda_graphs_asked": base.cuda_graphs, "prefill_chunk": base.prefill_chunk,
               "prefill_tokens": base.prefill_tokens, "parallel": {"tensor": par.tensor, "expert": par.expert},
               "parameters": sum(t.numel() for t in model.parameters()),  # this rank's share of a split model
@@ -235,7 +241,7 @@ def run_bench(path: Path, overrides: list[str] | None, settings: BenchSettings,
                 on_progress(f"prompt {plen or 'file'} · output {out} · batch {batch}")
             rec = {"prompt_len": plen, "output_len": out, "batch_asked": batch}
             try:
-                rec |= bench_point(model, base, settings, probe, given, plen, out, batch)
+                rec |= bench_point(model, base, settings, probe, given, plen, out, batch, on_startup)
             except (UserError, torch.OutOfMemoryError) as e:  # the point fails; the grid goes on
                 free_memory(model)
                 rec["error"] = str(e).splitlines()[0]
@@ -259,25 +265,27 @@ def all_failed(report: dict) -> str | None:
 
 
 def bench_point(model, base: EngineConfig, settings: BenchSettings, probe: MaxProbe, given: list[list[int]] | None,
-                plen: int | None, out: int, batch: int | str) -> dict:
+                plen: int | None, out: int, batch: int | str,
+                on_startup: Callable[[int, int, str], None] | None = None) -> dict:
     """One point of the grid: its batch (probed for "max"), its requests' prompts and arrivals, its measurements."""
     longest = max(len(p) for p in given) if given else plen
     size = probe(longest, working_length(longest, out, probe.block)) if batch == "max" else batch
     n = settings.requests or size
     prompts = [given[i % len(given)] for i in range(n)] if given else synthetic_prompts(model, n, plen, settings.seed)
     rec = run_point(model, replace(base, batch_size=size, max_new_tokens=out), prompts,
-                    poisson_arrivals(n, settings.rate, settings.seed))
+                    poisson_arrivals(n, settings.rate, settings.seed), on_startup)
     rec |= touched_record(model, prompts[:size], probe.block)
     if given:
         rec["prompt_len"] = round(rec["prompt_tokens"] / n)
     return rec
 
 
-def _warm_up(model, config: EngineConfig, block: int, longest: int, seed: int) -> None:
+def _warm_up(model, config: EngineConfig, block: int, longest: int, seed: int,
+             on_startup: Callable[[int, int, str], None] | None = None) -> None:
     """One untimed request (a prefill chunk and a block) so that the first point does not pay for Triton's JIT."""
     length = max(block, min(longest, config.prefill_chunk))
     engine = Engine(model, replace(config, batch_size=1, max_new_tokens=block))
-    engine.generate(synthetic_prompts(model, 1, length, seed))
+    engine.generate(synthetic_prompts(model, 1, length, seed), on_startup=on_startup)
     free_memory(model)
 
 

@@ -181,6 +181,34 @@ def summary_table(summary) -> Table:
     return table
 
 
+def startup_line(compiled: bool, startup_s: float, cache) -> str | None:
+    """What ran before the first step, and what Inductor's cache (a CacheReport) held for it; None when nothing
+    ran (the CPU without compile)."""
+    if compiled and cache is not None:
+        from compiledllm.compile_cache import describe
+
+        return f"start-up {startup_s:.2f} s: compiled · {describe(cache)}"
+    if startup_s > 0:
+        return f"start-up {startup_s:.2f} s: steps captured as CUDA graphs, not compiled (compile: false)"
+    return None
+
+
+class StartupRow:
+    """A row of a progress display while an engine compiles and / or captures its steps (Stepper's on_startup),
+    gone when they are done."""
+
+    def __init__(self, bar: Progress):
+        self.bar, self.task = bar, None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.task is None:
+            self.task = self.bar.add_task(f"start-up: {what}", total=total)
+        self.bar.update(self.task, completed=done, total=total, description=f"start-up: {what}")
+        if done >= total:
+            self.bar.remove_task(self.task)
+            self.task = None
+
+
 PROMPT_HELP = "A text prompt (repeatable): with a MODEL, the run's prompts; with a recipe, they replace its prompts."
 PROMPTS_HELP = ("JSONL prompts, one {text | ids | messages} a line: with a MODEL, the run's prompts (after any "
                 "--prompt); with a recipe, they replace its prompts and prompts_file.")
@@ -314,7 +342,8 @@ def run(
                 rec, on_start=start, on_block=(lambda i, t: display and display[0].on_block(i, t)) if streamed
                 else None,
                 on_result=lambda r: display and display[0].on_result(r), output=out,
-                inputs=[path] if path is not None else [])
+                inputs=[path] if path is not None else [],
+                on_startup=lambda done, total, what: display and display[0].on_startup(done, total, what))
     except UserError as e:
         fail(str(e))
     except RunInterrupted as e:
@@ -336,6 +365,9 @@ def run(
         console.print(f"wrote {len(results)} results to {out}, in prompt order "
                       f"(summary: {out.with_suffix('.summary.json')})", highlight=False, soft_wrap=True)
     console.print(summary_table(summary))
+    line = startup_line(summary.compile, summary.startup_s, summary.compile_cache)
+    if line is not None:
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -676,6 +708,15 @@ def stall_table(report: dict) -> Table | None:
     return table
 
 
+def compile_lines(report: dict) -> list[str]:
+    """Per point of a compiled run: its start-up and what Inductor's cache held for it (none when not compiled)."""
+    from compiledllm.compile_cache import CacheReport, describe
+
+    return [f"prompt {r['prompt_len']} · out {r['output_len']} · batch {r['batch']}: start-up "
+            f"{r['startup_s']:.2f} s, compiled · {describe(CacheReport(**r['compile_cache']))}"
+            for r in report["points"] if "error" not in r and r.get("compile_cache")]
+
+
 @app.command()
 @stoppable  # SIGINT / SIGTERM keep the finished points (bench.BenchInterrupted)
 def bench(
@@ -746,7 +787,8 @@ def bench(
                 try:
                     report = run_bench(recipe, with_flags(set_, threads=threads), settings,
                                        on_start=lambda n: bar.update(task, total=n),
-                                       on_progress=lambda s: bar.update(task, description=s), on_point=point_done)
+                                       on_progress=lambda s: bar.update(task, description=s), on_point=point_done,
+                                       on_startup=StartupRow(bar))
                 except BenchInterrupted as e:
                     report, stopped = e.report, True
             finishing()  # the report is whole: a stop signal now lets it be written
@@ -775,6 +817,8 @@ def bench(
         if "error" in r:
             console.print(f"prompt {r['prompt_len']} · out {r['output_len']} · batch {r['batch_asked']}: "
                           f"{r['error']}", highlight=False, soft_wrap=True)
+    for line in compile_lines(report):
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
     stalls = stall_table(report)
     if stalls is not None:
         console.print(stalls)
@@ -838,6 +882,10 @@ def serve(
         console.print(f"serving {cfg.name} on {url}/v1 ({cfg.slots} slots of {cfg.capacity} positions, queue "
                       f"{cfg.max_queue}); Ctrl-C or SIGTERM stops after the running requests", highlight=False,
                       soft_wrap=True)
+        session = server.worker.session
+        line = startup_line(server.engine.compile, session.startup_s, session.compile_cache) if session else None
+        if line is not None:
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
         sys.stdout.flush()
 
     serve_forever(server, sock, "debug" if logging.getLogger().level <= logging.DEBUG else "warning", ready)

@@ -43,7 +43,8 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compiledllm.errors import UserError
-from compiledllm.recipe import ModelSpec, Text, TokenId, first_error, load_validated, parse_json, read_text
+from compiledllm.recipe import (CompileMode, ModelSpec, Text, TokenId, first_error, load_validated, parse_json,
+                                read_text)
 from compiledllm.signals import shielded, signal_name
 from compiledllm.threads import set_threads
 
@@ -66,7 +67,7 @@ class EvalRecipe(_Strict):
     batch_size: int = Field(default=16, ge=1)
     limit: int | None = Field(default=None, ge=1)               # first N tasks of each file
     tokens: Literal["ids", "text"] = "ids"
-    compile: bool = False
+    compile: CompileMode = "auto"                               # auto: compile on CUDA only; true; false
     cuda_graphs: bool = True                                    # on CUDA: capture the step per batch bucket
     save_outputs: bool = False                                  # include every generated token list in the JSON
     output: str | None = Field(default="eval_results.json", min_length=1)
@@ -258,7 +259,7 @@ def _stopped() -> dict:
 
 
 def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
-             batch_size: int = 16, reference: int | str | None = None, compile: bool = False,
+             batch_size: int = 16, reference: int | str | None = None, compile: bool | str = False,
              cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None,
              on_result: Callable[[object], None] | None = None) -> dict:
     """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":

@@ -1,5 +1,8 @@
 """What `compiledllm run` shows while it decodes: a bar of generated tokens with tokens/s and each request's text.
 
+Before the first step, while the engine compiles and / or captures its steps per (phase, batch bucket), a start-up
+bar counts those pieces (Stepper's on_startup) in the decoding bar's place.
+
 On a terminal the text of the requests being decoded grows in place, a finished block at a time (stream.py's
 deltas, so a character is never split), and each request's whole text is printed above the bar as it ends. Off a
 terminal (a pipe, a log file) each result's text is printed once, when it ends. The bar counts generated tokens
@@ -12,7 +15,7 @@ import time
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from compiledllm.engine import GenerationResult
@@ -37,6 +40,9 @@ class RunDisplay:
                             TokensPerSecond(), TextColumn("{task.fields[done]}/{task.fields[requests]} requests"),
                             TimeElapsedColumn(), console=console)
         self.task = self.bar.add_task("decode", total=prompts * max_new_tokens, done=0, requests=prompts)
+        self.startup = Progress(TextColumn("[bold]start-up[/] {task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+        self.startup_task = None  # while the engine compiles / captures its steps
         self.streams: dict[int, TextStream] = {}
         self.recent: list[int] = []  # request ids, most recently advanced last
         self.drawn = 0.0
@@ -51,6 +57,18 @@ class RunDisplay:
     def __exit__(self, *exc) -> None:
         if self.live is not None:
             self.live.__exit__(*exc)
+
+    def on_startup(self, done: int, total: int, what: str) -> None:
+        """The engine's start-up progress: `done` of `total` (phase, bucket) pieces compiled / captured."""
+        if self.startup_task is None:
+            self.startup_task = self.startup.add_task(what, total=total)
+        self.startup.update(self.startup_task, completed=done, total=total, description=what)
+        if done >= total:
+            self.startup.remove_task(self.startup_task)
+            self.startup_task = None
+            self.bar.reset(self.task)  # the decoding clock starts now, as the run's wall time does
+        if self.live is not None:
+            self.live.update(self._view(), refresh=True)
 
     def on_block(self, index: int, tokens: list[int]) -> None:
         self.bar.advance(self.task, len(tokens))
@@ -87,4 +105,4 @@ class RunDisplay:
         for i in self.recent[-LIVE_REQUESTS:]:
             lines = self.streams[i].text.splitlines()[-LIVE_LINES:]
             panels.append(Panel(Text("\n".join(lines)), title=f"prompt {i} (decoding)", title_align="left"))
-        return Group(*panels, self.bar)
+        return Group(*panels, self.bar if self.startup_task is None else self.startup)

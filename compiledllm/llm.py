@@ -166,14 +166,15 @@ class LLM:
     """A loaded model and engine settings. `model`: a built-in name ("tiny-llada2"), a checkpoint directory, a
     Hugging Face name (ORG/NAME), an exported engine, a recipe file or Recipe (its model and engine settings; the
     keyword arguments override them), or a model already loaded. Settings left None keep the recipe's values, else
-    EngineConfig's defaults; `policy` is a name ("t2t"), a mapping of policy parameters or a PolicyConfig.
+    EngineConfig's defaults, but `compile` then is "auto" as in a recipe (compiled on CUDA, not on the CPU; True /
+    False force it); `policy` is a name ("t2t"), a mapping of policy parameters or a PolicyConfig.
     `threads`: torch's CPU threads, pinned from the first call on as --threads pins them (default: the recipe's
     `threads`, else the CLI's policy, compiledllm/threads.py: the cores other work leaves free, re-checked while a
     call runs)."""
 
     def __init__(self, model: str | os.PathLike | Recipe | BlockDiffusionLM, *,
                  policy: str | dict | PolicyConfig | None = None, batch_size: int | None = None,
-                 max_seq_len: int | None = None, compile: bool | None = None, cuda_graphs: bool | None = None,
+                 max_seq_len: int | None = None, compile: bool | str | None = None, cuda_graphs: bool | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mask_token_id: int | None = None, eos_token_id: int | None = None, trust_exported: bool = False,
                  revision: str | None = None, threads: int | None = None):
@@ -197,7 +198,7 @@ class LLM:
         settings = {k: v for k, v in settings.items() if v is not None}
         # settings are checked before the model loads: a mistake costs no loading time
         base = EngineConfig.from_recipe(recipe) if recipe else EngineConfig({"name": "threshold"},
-                                                                            DEFAULT_MAX_TOKENS)
+                                                                            DEFAULT_MAX_TOKENS, compile="auto")
         self.config: EngineConfig = replace(base, **settings)
         if recipe is not None:
             p = recipe.parallel

@@ -166,7 +166,7 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
     trace = out_dir / TRACE_FILE
     trace.unlink(missing_ok=True)
     run = timed_run(engine, prompts, record_steps)
-    summary = make_summary(recipe, model, run.results, run.wall_s, load_s, engine.startup_s)
+    summary = make_summary(recipe, engine, run.results, run.wall_s, load_s)
     steps, cuda = max(run.clock.forwards, 1), model.device.type == "cuda"
     events, ops = [], []
     if run.recorded:
@@ -175,7 +175,7 @@ def profile_recipe(source: str | Path | Recipe, out_dir: Path, overrides: list[s
             run.prof.export_chrome_trace(str(trace))  # gzipped: the name ends in .gz
     rows = phase_rows(run.clock.totals(), steps, run.wall_s * 1000.0)
     busy = busy_ms(events) if cuda and run.recorded else None
-    report = {"mode": MODE, "summary": summary.__dict__, "steps": steps, "steps_are": STEPS_MEANING,
+    report = {"mode": MODE, "summary": dataclasses.asdict(summary), "steps": steps, "steps_are": STEPS_MEANING,
               "forwards": summary.forwards, "forwards_are": FORWARDS_MEANING,
               "wall_ms": run.wall_s * 1000.0, "profiler_ms_left_out": run.profiler_s * 1000.0,
               "phases": [r.__dict__ for r in rows], "trace": str(trace) if run.recorded else None,

@@ -57,7 +57,16 @@ def _encodable(value: Any) -> Any:
     return value
 
 
+def _compile_mode(value: Any) -> Any:
+    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+        return value
+    raise ValueError("a boolean (true or false) or auto")
+
+
 Text = Annotated[str, BeforeValidator(_encodable)]
+# compile: auto (the default) compiles the decode step on CUDA and not on the CPU; the Engine resolves it for the
+# model's device (engine/compile.py resolve_compile), so a recipe says what was asked, the run what it did
+CompileMode = Annotated[bool | Literal["auto"], BeforeValidator(_compile_mode)]
 TokenId = Annotated[int, Field(ge=0)]
 NO_MODEL = ("no model given: set model.path to a checkpoint directory or a built-in name ("
             + ", ".join(BUILTINS) + "), or model.init: random with model.config (a preset name or a config.json mapping)")
@@ -154,7 +163,7 @@ class Recipe(_Strict):
     prompts: list[PromptSpec] = Field(default_factory=list)
     prompts_file: str | None = Field(default=None, min_length=1)
     batch_size: int = Field(default=8, ge=1)
-    compile: bool = False
+    compile: CompileMode = "auto"                   # auto: compile on CUDA only; true; false
     cuda_graphs: bool = True                        # on CUDA: capture the step per batch-size bucket
     buckets: list[int] | None = None                # batch-size buckets (default: powers of two up to batch_size)
     output: str | None = Field(default="results.jsonl", min_length=1)

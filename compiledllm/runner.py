@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from compiledllm.compile_cache import CacheReport
 from compiledllm.engine import BlockEvent, Engine, GenerationResult
 from compiledllm.errors import UserError
 from compiledllm.loader import build_random, load_model
@@ -34,8 +35,9 @@ class Summary:
     tokens_per_s: float
     load_s: float
     startup_s: float  # compile / CUDA-graph capture before the first step
-    compile: bool
+    compile: bool     # whether the decode step ran compiled (the recipe's auto resolved for the device)
     threads: int = 0  # torch's CPU threads during the run
+    compile_cache: CacheReport | None = None  # what the start-up's compile found in Inductor's cache (compiled only)
 
 
 def load_from_spec(m: ModelSpec, mesh: Mesh = SINGLE) -> BlockDiffusionLM:
@@ -135,13 +137,16 @@ def _prepare(recipe: Recipe) -> tuple[BlockDiffusionLM, list[list[int]], Engine,
 def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | None = None,
             on_result: Callable[[GenerationResult], None] | None = None,
             output: Path | None = None, inputs: list[Path] = (),
-            on_block: Callable[[int, list[int]], None] | None = None) -> tuple[list[GenerationResult], Summary]:
+            on_block: Callable[[int, list[int]], None] | None = None,
+            on_startup: Callable[[int, int, str], None] | None = None) -> tuple[list[GenerationResult], Summary]:
     """Run a recipe. on_start(prompts, model): once the model is loaded and the prompts encoded;
     on_block(prompt index, tokens): a request's newly final tokens, per retired block (one
-    process; with parallel.data > 1 only results are reported). With `output`, results are written as each request ends to a temporary file that replaces
-    `output` (with its summary) only when the run ends: everything is validated before, and a failure leaves the
-    previous files as they were (outputs.py). With parallel.data > 1 each engine replica decodes its share of the
-    prompts and global rank 0 gets (and writes) every result; the other ranks return none."""
+    process; with parallel.data > 1 only results are reported); on_startup(done, total, what): the compile /
+    CUDA-graph capture's progress before the first step (Stepper). With `output`, results are written as each
+    request ends to a temporary file that replaces `output` (with its summary) only when the run ends: everything is
+    validated before, and a failure leaves the previous files as they were (outputs.py). With parallel.data > 1 each
+    engine replica decodes its share of the prompts and global rank 0 gets (and writes) every result; the other
+    ranks return none."""
     if output is not None:
         check_outputs(run_outputs(output), [*inputs, *run_inputs(recipe)])
     model, prompts, engine, load_s, mesh = _prepare(recipe)
@@ -167,19 +172,18 @@ def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | 
         with shielded():  # a stop signal waits until the sink holds its lock and its file
             sink = ResultSink(output) if output is not None else None
         if mesh.data == 1 and on_block is not None:
-            results = _with_blocks(engine, prompts, record, on_block)
+            results = _with_blocks(engine, prompts, record, on_block, on_startup)
         elif mesh.data == 1:
-            results = engine.generate(prompts, on_result=record)
+            results = engine.generate(prompts, on_result=record, on_startup=on_startup)
         else:  # the wall time then includes waiting for the slowest replica
-            results = generate_share(engine, mine, prompts, mesh, on_result=record)
+            results = generate_share(engine, mine, prompts, mesh, on_result=record, on_startup=on_startup)
         finishing()  # every result is in: a stop signal now lets the run commit them
     except KeyboardInterrupt:  # SIGINT or SIGTERM (signals.py)
         kept = None
         if sink is not None and not done:  # nothing to keep: an earlier partial file stays as it was
             sink.discard()
         elif sink is not None:
-            summary = make_summary(recipe, model, done, time.perf_counter() - t1 - engine.startup_s, load_s,
-                                   engine.startup_s)
+            summary = make_summary(recipe, engine, done, time.perf_counter() - t1 - engine.startup_s, load_s)
             kept = sink.keep_partial(asdict(summary) | {"interrupted": True, "signal": signal_name(),
                                                         "prompts_given": len(prompts)})
         raise RunInterrupted(len(done), kept) from None
@@ -187,18 +191,18 @@ def execute(recipe: Recipe, on_start: Callable[[int, BlockDiffusionLM], None] | 
         if sink is not None:
             sink.discard()
         raise
-    summary = make_summary(recipe, model, results, time.perf_counter() - t1 - engine.startup_s, load_s,
-                           engine.startup_s)
+    summary = make_summary(recipe, engine, results, time.perf_counter() - t1 - engine.startup_s, load_s)
     if sink is not None:
         sink.commit(asdict(summary))
     return results, summary
 
 
 def _with_blocks(engine: Engine, prompts: list[list[int]], record: Callable[[GenerationResult], None],
-                 on_block: Callable[[int, list[int]], None]) -> list[GenerationResult]:
+                 on_block: Callable[[int, list[int]], None],
+                 on_startup: Callable[[int, int, str], None] | None = None) -> list[GenerationResult]:
     """engine.generate, with every block's tokens reported as the session retires it."""
     results: dict[int, GenerationResult] = {}
-    for ev in engine.events(prompts):
+    for ev in engine.events(prompts, on_startup=on_startup):
         if isinstance(ev, BlockEvent):
             on_block(ev.request_id, ev.tokens)
         else:
@@ -207,14 +211,16 @@ def _with_blocks(engine: Engine, prompts: list[list[int]], record: Callable[[Gen
     return [results[i] for i in range(len(prompts))]
 
 
-def make_summary(recipe: Recipe, model, results: list[GenerationResult], wall: float, load_s: float,
-                 startup_s: float) -> Summary:
+def make_summary(recipe: Recipe, engine: Engine, results: list[GenerationResult], wall: float,
+                 load_s: float) -> Summary:
+    """The run's summary; start-up and compile as the engine's last generate() had them."""
     tokens = sum(len(r.output_ids) for r in results)
     forwards = sum(r.steps for r in results)
-    return Summary(model=recipe.model.name, policy=policy_name(recipe.policy_config()), device=str(model.device),
-                   prompts=len(results), tokens=tokens, forwards=forwards,
+    return Summary(model=recipe.model.name, policy=policy_name(recipe.policy_config()),
+                   device=str(engine.model.device), prompts=len(results), tokens=tokens, forwards=forwards,
                    tokens_per_forward=tokens / max(forwards, 1), wall_s=wall, tokens_per_s=tokens / max(wall, 1e-9),
-                   load_s=load_s, startup_s=startup_s, compile=recipe.compile, threads=torch.get_num_threads())
+                   load_s=load_s, startup_s=engine.startup_s, compile=engine.compile,
+                   threads=torch.get_num_threads(), compile_cache=engine.compile_cache)
 
 
 def run(recipe: str | Path | dict | Recipe, overrides: list[str] | None = None) -> list[GenerationResult]:

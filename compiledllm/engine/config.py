@@ -18,7 +18,7 @@ class EngineConfig:
     max_new_tokens: int
     batch_size: int = 8                 # request slots decoded together
     max_seq_len: int | None = None      # KV capacity per slot (default: what the longest request needs)
-    compile: bool = False
+    compile: bool | str = False         # True, False or "auto" (compiled on CUDA only): Engine resolves it
     cuda_graphs: bool = True
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
     prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
@@ -35,7 +35,9 @@ class EngineConfig:
             _positive_int("max_seq_len", self.max_seq_len)
         _positive_int("prefill_chunk", self.prefill_chunk)
         _positive_int("prefill_tokens", self.prefill_tokens)
-        for name in ("compile", "cuda_graphs", "ignore_eos"):
+        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "auto")):
+            raise UserError(f"compile: true or false, or auto (compiled on CUDA only), got {self.compile!r}")
+        for name in ("cuda_graphs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:

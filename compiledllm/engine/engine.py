@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from compiledllm.engine.compile import resolve_compile
 from compiledllm.engine.config import EngineConfig
 from compiledllm.engine.request import Event, FinishEvent, GenerationResult, RequestParams, working_length
 from compiledllm.engine.scheduler import RunStats
@@ -46,11 +47,12 @@ class Engine:
                             f"{moe.route_block} (block routing, expert_capacity {moe.expert_capacity}: config.json "
                             "block_size)")
         self.static = static
-        self.compile = config.compile and static is None
+        self.compile = resolve_compile(config.compile, model.device) and static is None  # auto: CUDA only
         self.cuda_graphs = config.cuda_graphs and model.device.type == "cuda" and static is None
         self.buckets = list(static.buckets) if static else (list(config.buckets) if config.buckets else None)
         self.side_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self.startup_s = 0.0  # compile / capture time of the last generate()
+        self.compile_cache = None  # what the last generate()'s compile found in Inductor's cache (compile_cache.py)
         self.stats: RunStats | None = None  # where the last generate()'s time went
 
     @classmethod
@@ -142,26 +144,28 @@ class Engine:
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
         return slots
 
-    def session(self, slots: int | None = None, capacity: int | None = None,
-                block_events: bool = True) -> EngineSession:
+    def session(self, slots: int | None = None, capacity: int | None = None, block_events: bool = True,
+                on_startup: Callable[[int, int, str], None] | None = None) -> EngineSession:
         """A session of `slots` request slots (default batch_size) with `capacity` KV positions each (default
-        max_seq_len, else what a prompt of one block and max_new_tokens needs): allocated and captured now."""
+        max_seq_len, else what a prompt of one block and max_new_tokens needs): allocated and captured now.
+        on_startup(done, total, what): the compile / capture's progress, per (phase, bucket)."""
         slots = self.slots_for(self.config.batch_size) if slots is None else slots
         if capacity is None:
             capacity = self.static.capacity if self.static else (
                 self.config.max_seq_len or working_length(self.block, self.max_new_tokens, self.block))
-        return EngineSession(self, slots, capacity, block_events)
+        return EngineSession(self, slots, capacity, block_events, on_startup)
 
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
                  arrivals: Sequence[float] | None = None, request_ids: Sequence[int] | None = None,
-                 params: RequestParams | Sequence[RequestParams] | None = None) -> list[GenerationResult]:
+                 params: RequestParams | Sequence[RequestParams] | None = None,
+                 on_startup: Callable[[int, int, str], None] | None = None) -> list[GenerationResult]:
         """Decode every prompt; results in prompt order. arrivals[i]: seconds after the start (once compiled and
         captured) at which prompt i arrives (default: all at once). request_ids[i]: prompt i's id, its result's
         index and its sampling key (default i): a share of a larger run decodes each request as the run would.
-        params: every request's settings, or one per prompt (default: the engine's)."""
+        params: every request's settings, or one per prompt (default: the engine's). on_startup: see session()."""
         ids = list(range(len(prompts))) if request_ids is None and isinstance(prompts, (list, tuple)) else request_ids
         results: dict[int, GenerationResult] = {}
-        for ev in self.events(prompts, arrivals, request_ids, params, block_events=False):
+        for ev in self.events(prompts, arrivals, request_ids, params, block_events=False, on_startup=on_startup):
             if isinstance(ev, FinishEvent):
                 results[ev.request_id] = ev.result
                 if on_result is not None:
@@ -171,7 +175,8 @@ class Engine:
     def events(self, prompts: list[list[int]], arrivals: Sequence[float] | None = None,
                request_ids: Sequence[int] | None = None,
                params: RequestParams | Sequence[RequestParams] | None = None,
-               block_events: bool = True) -> Iterator[Event]:
+               block_events: bool = True, on_startup: Callable[[int, int, str], None] | None = None
+               ) -> Iterator[Event]:
         """generate() as the session's events, as they happen: each request's BlockEvents (its newly final tokens,
         with block_events) and its FinishEvent. Arguments as generate()'s; checked before the session starts."""
         self.validate(prompts)
@@ -187,12 +192,14 @@ class Engine:
         elif len(params) != len(prompts):
             raise UserError(f"params: {len(params)} settings for {len(prompts)} prompts")
         capacity = self.capacity_for(prompts, [p.max_new_tokens or self.max_new_tokens for p in params])
-        return self._loop(prompts, arrivals, ids, params, capacity, block_events or any(p.stop for p in params))
+        return self._loop(prompts, arrivals, ids, params, capacity, block_events or any(p.stop for p in params),
+                          on_startup)
 
     @torch.no_grad()
-    def _loop(self, prompts, arrivals, ids, params, capacity, block_events) -> Iterator[Event]:
-        session = self.session(self.slots_for(len(prompts)), capacity, block_events=block_events)
-        self.startup_s = session.startup_s
+    def _loop(self, prompts, arrivals, ids, params, capacity, block_events, on_startup) -> Iterator[Event]:
+        session = self.session(self.slots_for(len(prompts)), capacity, block_events=block_events,
+                               on_startup=on_startup)
+        self.startup_s, self.compile_cache = session.startup_s, session.compile_cache
         pending = deque(sorted(range(len(prompts)), key=arrivals.__getitem__))
         try:
             while pending or session.has_work():
@@ -228,7 +235,7 @@ class Engine:
 
 
 def generate(model, prompts: list[list[int]], policy: dict | PolicyConfig, *, max_new_tokens: int,
-             batch_size: int = 8, max_seq_len: int | None = None, compile: bool = False,
+             batch_size: int = 8, max_seq_len: int | None = None, compile: bool | str = False,
              cuda_graphs: bool = True) -> list[GenerationResult]:
     """Decode every prompt (token ids) with the policy; one result per prompt, in order."""
     config = EngineConfig(policy, max_new_tokens=max_new_tokens, batch_size=batch_size, max_seq_len=max_seq_len,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,11 @@ class _Request:
 
 
 class EngineSession:
-    def __init__(self, engine, slots: int, capacity: int, block_events: bool = True):
+    def __init__(self, engine, slots: int, capacity: int, block_events: bool = True,
+                 on_startup: Callable[[int, int, str], None] | None = None):
         """engine: the Engine whose model, policy and settings this session runs; `slots` request slots with a KV
         capacity of `capacity` positions each; block_events: report BlockEvents (off: only FinishEvents; stop
-        strings then take effect when a request ends)."""
+        strings then take effect when a request ends); on_startup: the compile / capture's progress (Stepper)."""
         self.engine, self.model, self.policy = engine, engine.model, engine.policy
         self.slots, self.capacity, self.block_events = slots, capacity, block_events
         self.block = self.policy.block_size
@@ -67,12 +69,13 @@ class EngineSession:
             buckets = [*buckets, slots]
         self.eos = -1 if cfg.ignore_eos else self.model.eos_token_id
         self.stepper = Stepper(self.model, self.policy, self.st, self.kv, buckets, engine.compile, engine.cuda_graphs,
-                               eos_id=self.eos)
+                               eos_id=self.eos, on_startup=on_startup)
         static = engine.static
         self.prefiller = None if self.kv is None else Prefiller(self.model, self.block, cfg.prefill_chunk,
                                                                 cfg.prefill_tokens, static.buckets if static else None)
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
         self.startup_s = self.stepper.startup_s
+        self.compile_cache = self.stepper.cache  # None: not compiled
         self._queue: deque[_Request] = deque()
         self._live: dict[int, _Request] = {}          # every request queued or in a slot, by id
         self._owner: list[_Request | None] = [None] * slots

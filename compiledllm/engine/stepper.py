@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from compiledllm.attention.spec import Kernels
+from compiledllm.compile_cache import CacheReport, counts, describe, use_cache
 from compiledllm.engine.hooks import PhaseRun, Schedule
 from compiledllm.engine.compile import INDUCTOR_OPTIONS, compile_room, compiled_regions
 from compiledllm.engine.state import SlotState
@@ -28,13 +30,20 @@ def default_buckets(slots: int) -> list[int]:
     return sizes + [slots]
 
 
+log = logging.getLogger(__name__)
+
+
 class Stepper:
     def __init__(self, model, policy: Policy, st: SlotState, kv: KVStore | None, buckets: list[int], compile: bool,
-                 cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None, eos_id: int | None = None):
+                 cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None, eos_id: int | None = None,
+                 on_startup: Callable[[int, int, str], None] | None = None):
         """kernels: the implementations every forward uses instead of the policy's default (benchmarks' A/B);
-        eos_id: the token that ends a request (default the model's; -1: none, every request runs to its length)."""
+        eos_id: the token that ends a request (default the model's; -1: none, every request runs to its length);
+        on_startup(done, total, what): the start-up's progress, (phase, bucket) pieces compiled and / or captured
+        (called before each piece and once at the end; not at all when there is nothing to do before a step)."""
         self.model, self.policy = model, policy
         self.buckets = sorted(set(buckets))
+        cache_dir = use_cache() if compile else None  # before the first compile (compile_cache.py)
         whole = compile and not regional
         self.views = {b: (st.view(b), None if kv is None else kv.rows(0, b, indexed=whole)) for b in self.buckets}
         self.compiled = compile
@@ -47,36 +56,54 @@ class Stepper:
         fn = functools.partial(fn, eos_id=model.eos_token_id if eos_id is None else eos_id)
         self.fn = fn if kernels is None else functools.partial(fn, kernels=kernels)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.startup_s = 0.0
+        self.cache: CacheReport | None = None  # what the start-up's compile found in Inductor's cache
+        self.startup_s = self._start(cuda_graphs, cache_dir, on_startup)
+
+    def _start(self, cuda_graphs: bool, cache_dir: str | None, on_startup) -> float:
+        """Compile and / or capture every (phase, bucket) before the first step: captured largest bucket first
+        (later graphs reuse its pool memory); compiled only, up front, so that the first requests do not pay for
+        it; else nothing. Returns its seconds (0: nothing ran)."""
+        order = sorted(self.buckets, reverse=True) if cuda_graphs else self.buckets if self.compiled else []
+        pieces = [(ph, b) for b in order for ph in self.policy.phases]
+        if not pieces:
+            return 0.0
+        what = "compile + capture" if self.compiled and cuda_graphs else "capture" if cuda_graphs else "compile"
+        before = counts() if self.compiled else None
         t0 = time.perf_counter()
-        if cuda_graphs:
-            self._capture()
-        elif compile:
-            for b in self.buckets:  # compile up front so the first requests do not pay for it
-                for ph in policy.phases:
-                    self._call(ph, b)
-        self.startup_s = time.perf_counter() - t0
+        pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        for i, (ph, b) in enumerate(pieces):
+            if on_startup is not None:
+                on_startup(i, len(pieces), f"{what} · bucket {b} · {ph}")
+            if cuda_graphs:
+                self._capture(ph, b, pool)
+            else:
+                self._call(ph, b)
+        seconds = time.perf_counter() - t0
+        if self.compiled:
+            self.cache = CacheReport.between(cache_dir, before, counts())
+        if on_startup is not None:
+            on_startup(len(pieces), len(pieces), what)
+        log.info("start-up %.2f s: %s of %d (phase, bucket) steps, buckets %s%s", seconds, what, len(pieces),
+                 ", ".join(map(str, self.buckets)), f"; {describe(self.cache)}" if self.cache else "")
+        return seconds
 
     def _call(self, phase: str, bucket: int) -> None:
         with compile_room() if self.compiled else contextlib.nullcontext():
             self.fn(self.model, self.policy, phase, *self.views[bucket], subset=phase in self.policy.row_phases)
 
-    def _capture(self) -> None:
-        """Warm up (and compile) each (phase, bucket) on a side stream, then capture it. Runs while every slot is
-        idle, so the warm-up steps change no request's tokens."""
-        pool = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, reverse=True):  # largest first: later graphs reuse its pool memory
-            for ph in self.policy.phases:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._call(ph, b)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._call(ph, b)
-                self.graphs[ph, b] = graph
+    def _capture(self, ph: str, b: int, pool) -> None:
+        """Warm up (and compile) the phase on bucket b on a side stream, then capture it into `pool`. Runs while
+        every slot is idle, so the warm-up steps change no request's tokens."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._call(ph, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._call(ph, b)
+        self.graphs[ph, b] = graph
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)

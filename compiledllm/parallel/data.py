@@ -46,11 +46,13 @@ def replica_share(engine: Engine, prompts: list[list[int]], mesh: Mesh) -> tuple
 
 
 def generate_share(engine: Engine, mine: list[int], prompts: list[list[int]], mesh: Mesh,
-                   on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
-    """The replica decodes its requests (on_result as each ends), then global rank 0 gathers every replica's:
-    rank 0 returns all of the run's results in prompt order (on_result then called for the other replicas'), the
-    other ranks []. Collective: every rank calls it."""
-    own = engine.generate([prompts[i] for i in mine], on_result=on_result, request_ids=mine) if mine else []
+                   on_result: Callable[[GenerationResult], None] | None = None,
+                   on_startup: Callable[[int, int, str], None] | None = None) -> list[GenerationResult]:
+    """The replica decodes its requests (on_result as each ends; on_startup: its compile / capture's progress),
+    then global rank 0 gathers every replica's: rank 0 returns all of the run's results in prompt order (on_result
+    then called for the other replicas'), the other ranks []. Collective: every rank calls it."""
+    own = engine.generate([prompts[i] for i in mine], on_result=on_result, request_ids=mine,
+                          on_startup=on_startup) if mine else []
     results = gather_results(own, mesh)
     if on_result is not None:
         ours = set(mine)

@@ -25,7 +25,8 @@ MODEL = {"init": "random", "config": dict(TINY_LLADA2, num_hidden_layers=2, num_
                                           n_group=4, topk_group=2)}
 POLICY = {"name": "threshold", "block_size": 8, "threshold": 0.9}
 POINT_KEYS = {"prompt_len", "output_len", "batch_asked", "batch", "requests", "prompt_tokens", "generated_tokens",
-              "wall_s", "startup_s", "prefill_tokens", "prefill_forwards", "prefill_s", "prefill_tokens_per_s",
+              "wall_s", "startup_s", "compile_cache", "prefill_tokens", "prefill_forwards", "prefill_s",
+              "prefill_tokens_per_s",
               "decode_steps", "decode_s", "decode_tokens_per_s", "decode_step_ms", "stalled_steps", "stall_max_ms",
               "stall_mean_ms", "output_tokens_per_s", "first_block_p50_s",
               "latency_p50_s", "latency_p90_s", "latency_p99_s", "peak_memory_bytes", "touched_experts",
@@ -53,6 +54,7 @@ def test_bench_grid_end_to_end(tmp_path):
     assert report["device"] == "cpu" and report["routing"] == "balanced" and report["block"] == 8
     # the recipe asks for CUDA graphs (the default) but a CPU run has none: the report says what was used
     assert report["cuda_graphs"] is False and report["cuda_graphs_asked"] is True
+    assert report["compile"] is False and report["compile_asked"] == "auto"  # auto: not compiled on the CPU
     assert report["settings"]["rate"] == "inf" and report["settings"]["batches"] == [1, 2]
     points = report["points"]
     assert [(p["prompt_len"], p["output_len"], p["batch"]) for p in points] == [
@@ -60,6 +62,7 @@ def test_bench_grid_end_to_end(tmp_path):
     for p in points:
         assert set(p) == POINT_KEYS, set(p) ^ POINT_KEYS
         assert p["requests"] == 3 and p["generated_tokens"] == 3 * p["output_len"]  # ignore_eos: every token made
+        assert p["compile_cache"] is None  # not compiled
         # prefill: each prompt's whole blocks (24 -> 24, 40 -> 40 with block 8), once
         assert p["prefill_tokens"] == 3 * p["prompt_len"] and p["prompt_tokens"] == 3 * p["prompt_len"]
         assert p["output_tokens_per_s"] == pytest.approx(p["generated_tokens"] / p["wall_s"])
