@@ -193,8 +193,8 @@ class ExportedModel(ConfigFacts):
         bk = self.static_shapes.block
         if not (isinstance(rule, BlockCausal) and rule.block == bk and fwd.attention.prefix_len is not None
                 and fwd.attention.kv_index is None and fwd.attention.stats is None):
-            raise UserError("an exported engine runs block-causal single-window plans only (threshold, t2t); run "
-                            "the recipe's model directly for this policy")
+            raise UserError("an exported engine runs block-causal single-window plans only (threshold with commit: "
+                            "separate, t2t); run the recipe's model directly for this policy")
         prefix, logits = fwd.attention.prefix_len, None
         for i in range(0, fwd.tokens.shape[1], bk):  # a prefill chunk: one block at a time through the same package
             cols = slice(i, i + bk)

@@ -223,8 +223,13 @@ class BlockPolicy(Policy):
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)
         gen = pos >= st.prompt_len[:, None]
-        new, done, state = self.decide(tokens, logits, gen, st.policy | st.params, self.noise_keys(st, pos))
+        keys = self.noise_keys(st, pos, self.draws(st))
+        new, done, state = self.decide(tokens, logits, gen, st.policy | st.params, keys)
         return Update(torch.where(gen, pos, -1), new, done.long(), state)
+
+    def draws(self, st: SlotState) -> torch.Tensor | None:
+        """[B] the draw counter the sampling keys use with the positions (None: the rows' forwards, st.steps)."""
+        return None
 
     @abstractmethod
     def decide(self, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Tensor, state: State,

@@ -4,16 +4,32 @@ Accept every masked position with p > tau; if fewer than k_min are accepted, acc
 confident masked ones instead (k_min = 1, or with `steps` the LLaDA2 reference schedule: block/steps
 tokens per step, the remainder spread over the first steps, so that tau = 1.0 gives exactly `steps`
 accepting forwards per block). `rule` picks a peer decoder's rule instead (policies/peer_rules.py).
+
+Committing a block (block-causal models, whose KV is cached): a block's KV must come from a forward that saw it
+final (docs/design.md §4). `commit: separate` (the default) retires a block in the forward after its last MASK was
+filled, which only writes that KV; a block then costs its accepting steps + 1 forwards, the last block and the EOS
+block included. `commit: fused` retires the block in the step that fills its last MASK and writes its KV in the
+next block's first forward: phase "commit" forwards [block n final; block n+1] as two query groups (block n sees the
+prefix and itself, block n+1 the prefix, block n and itself: exactly what the separate commit and the next block's
+first forward see), written for both, logits for block n+1 only. No forward is made for a block whose KV nobody
+reads: a request that ends with it ends there. The tokens are the separate commit's; the forwards fewer by one a
+block. The step runs "commit" (2 blocks of queries for every row of the batch) when some row begins a block, else
+"decode": at small, weight-bound batches the wider forward costs about what one block does; at large,
+compute-bound ones it may not pay (measure with `compiledllm bench` before choosing it there).
+Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability
 from compiledllm.policies.peer_rules import SDAR_RULES, Rule, check_rule, sdar_confidence, select
+from compiledllm.policies.plan import Forward, route_groups
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,7 @@ class ThresholdConfig(PolicyConfig):
     threshold: float = 0.95
     steps: int | None = None
     rule: Rule = "engine"  # or sdar_static, sdar_dynamic, fast_dllm: a peer decoder's tokens (peer_rules.py)
+    commit: Literal["separate", "fused"] = "separate"  # how a finished block's KV is written (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +56,10 @@ class ThresholdPolicy(BlockPolicy):
             raise UserError("policy.rule: fast_dllm is Fast-dLLM's decode of a bidirectional model (LLaDA); this "
                             "model is block-causal: use sdar_static, sdar_dynamic or engine")
         super().__init__(config, mask_id, bidirectional)
+        # bidirectional models cache nothing: their blocks already retire in the step that fills them
+        self.fused = config.commit == "fused" and not bidirectional
+        if self.fused:
+            self.phases = ("decode", "commit")
 
     def first_block(self, prompt_len: int) -> int:
         # Fast-dLLM's blocks start where the prompt ends (nothing is cached, so no block needs to align)
@@ -59,7 +80,40 @@ class ThresholdPolicy(BlockPolicy):
         return torch.where(block_step < steps, base + (block_step < extra).long(), torch.ones_like(block_step))
 
     def init_state(self, batch: int, device) -> State:
-        return {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
+        state = {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
+        if self.fused:  # the row's previous block is retired and its KV not yet written
+            state["pending"] = torch.zeros(batch, dtype=torch.bool, device=device)
+        return state
+
+    def draws(self, st) -> torch.Tensor:
+        return st.policy["block_step"]
+
+    def schedule(self, step):
+        """One phase a step: "commit" when a row begins a block (its previous block's KV is due, unless it was just
+        admitted: then its previous-block queries are dead), else "decode"."""
+        if not self.fused:
+            return self.phases
+        return ("commit",) if set(step.begun) & set(step.rows) else ("decode",)
+
+    def plan(self, phase: str, st) -> Forward:
+        if phase != "commit":
+            return super().plan(phase, st)
+        idx, tokens, gen = self.block_window(st)
+        B, Bk = idx.shape
+        pending = st.policy["pending"] & st.active
+        prev = (idx - Bk).clamp(min=0)
+        positions = torch.cat([prev, idx], 1)
+        live = torch.cat([pending[:, None].expand(B, Bk), st.active[:, None].expand(B, Bk)], 1)
+        # groups: 0 block n+1 (sees 0 and 1), 1 block n when due (sees itself), 2 dead queries (see only themselves)
+        group = torch.cat([torch.where(pending, 1, 2)[:, None].expand(B, Bk), torch.zeros_like(idx)], 1).int()
+        g = torch.arange(3, device=idx.device, dtype=torch.int32)
+        see = (1 << g) | torch.where(g == 0, 2, 0).int()
+        prefix = st.block_start - Bk * pending.long()
+        return Forward(torch.cat([st.seq.gather(1, prev), tokens], 1), positions,
+                       AttentionSpec(QueryGroups(group, see), prefix_len=prefix),
+                       kv_write=torch.where(live, positions, -1), logits_at=Bk + torch.arange(Bk, device=idx.device)
+                       .expand(B, Bk), logits_rows=self.needed(tokens, gen, st.policy),
+                       route_groups=route_groups(positions, Bk, live))
 
     def row_params(self) -> dict[str, float]:
         return {"threshold": self.config.threshold}  # a request may ask for its own tau (the same shapes)
@@ -75,9 +129,11 @@ class ThresholdPolicy(BlockPolicy):
         tau = state["threshold"][:, None] if "threshold" in state else self.config.threshold
         accept = select(self.config.rule, p, masked, k_min, tau, self.config.steps is not None)
         # Done when this forward saw the block final (its KV is the block's). Nothing is cached for bidirectional
-        # models, so there the block is done as soon as its last MASK is filled: no forward only to look at it.
+        # models, and a fused commit writes the KV in the next block's first forward: there the block is done as
+        # soon as its last MASK is filled, with no forward only to look at it.
         done = n_masked == 0
-        if self.bidirectional:
+        if self.bidirectional or self.fused:
             done = done | (accept.sum(1) == n_masked)
         block_step = torch.where(done, 0, state["block_step"] + 1)
-        return torch.where(accept, v, tokens), done, {"block_step": block_step}
+        new = {"block_step": block_step} | ({"pending": done} if self.fused else {})
+        return torch.where(accept, v, tokens), done, new

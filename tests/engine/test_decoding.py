@@ -372,6 +372,82 @@ def test_token_ties_go_to_lower_id(tmp_path, arch):
         _assert_same(list(got[0].output_ids), want, st, f"{arch} {policy} ties")
 
 
+# ----------------------------------------------------------------------------- fused commit
+
+
+def _fused_cases():
+    return [pytest.param(name, *case, id=f"{name}-threshold{i}") for name in BLOCK_CAUSAL
+            for i, case in enumerate(THRESHOLD_CASES)]
+
+
+@pytest.mark.parametrize("name,policy,block,P,N,eos_mode", _fused_cases())
+def test_fused_commit_equals_literal_with_one_forward_fewer_a_block(ckpt_dirs, name, policy, block, P, N, eos_mode):
+    """commit: fused gives the literal decoder's tokens (as commit: separate does), and every block, the last and
+    the EOS block too, costs exactly one forward fewer: the forward that only wrote its KV is gone."""
+    d = ckpt_dirs[name]
+    prompt = _prompt(P * 31 + N + block, P)
+    fn = _logits_fn(_model(d, 0))
+    full = _literal(fn, prompt, policy, block, N, 10**9, False)
+    if eos_mode == "prompt":
+        eos = prompt[-1]
+    else:
+        eos, _ = _pick_eos(full, P, block, eos_mode)
+    st = {}
+    want = _literal(fn, prompt, policy, block, N, eos, False, st)
+    model = _model(d, eos)
+    sep, fused = (generate(model, [prompt], _policy(policy, block) | {"commit": c}, max_new_tokens=N, batch_size=1)[0]
+                  for c in ("separate", "fused"))
+    what = f"{name} {policy} bk={block} P={P} N={N} eos={eos}"
+    _assert_same(list(fused.output_ids), want, st, what + " fused")
+    assert list(sep.output_ids) == list(fused.output_ids), what
+    assert fused.blocks == sep.blocks > 0 and fused.steps == sep.steps - sep.blocks, (what, sep, fused)
+
+
+def test_fused_commit_is_batch_invariant_and_a_no_op_on_bidirectional_models(ckpt_dirs):
+    """Rows begin blocks at different steps (so "commit" forwards mix due and dead previous blocks): batched ==
+    alone == commit: separate. A bidirectional model caches nothing: fused changes neither tokens nor forwards."""
+    N, max_seq_len, block = 12, 48, 4
+    policy = _policy({"name": "threshold", "threshold": 0.5}, block)
+    prompts = [_prompt(100 + i, n) for i, n in enumerate(BATCH_LENGTHS)]
+    for name in ("llada2_g4_s0", "sdar_s3", "llada_s6"):
+        fn = _logits_fn(_model(ckpt_dirs[name], 0))
+        eos = _eos_for_mixed_stops([_literal(fn, p, policy, block, N, 10**9, name in BIDIRECTIONAL)
+                                    for p in prompts], N)
+        model = _model(ckpt_dirs[name], eos)
+        run = lambda commit, bs: generate(model, prompts, policy | {"commit": commit}, max_new_tokens=N,  # noqa: E731
+                                          batch_size=bs, max_seq_len=max_seq_len)
+        sep = run("separate", 3)
+        want = [list(r.output_ids) for r in sep]
+        assert len({len(w) for w in want}) > 1, "rows should stop at different steps"
+        for bs in (1, 3, 8):
+            fused = run("fused", bs)
+            assert [list(r.output_ids) for r in fused] == want, (name, bs)
+            saved = 0 if name in BIDIRECTIONAL else 1
+            assert [r.steps for r in fused] == [r.steps - saved * r.blocks for r in sep], (name, bs)
+
+
+def test_commit_setting_is_checked():
+    from compiledllm.errors import UserError
+    from compiledllm.policies import policy_config
+
+    with pytest.raises(UserError, match=r"^policy\.commit: .*'later'"):
+        policy_config({"name": "threshold", "commit": "later"})
+    assert policy_config({"name": "threshold", "commit": "fused"}).commit == "fused"
+
+
+def test_fused_commit_keeps_sampled_tokens(ckpt_dirs):
+    """Sampling keys count a block's deciding steps, not forwards: both commits draw the same tokens."""
+    model = _model(ckpt_dirs["llada2_g4_s1"], 0)
+    prompts = [_prompt(300 + i, n) for i, n in enumerate([3, 8, 5])]
+    policy = _policy({"name": "threshold", "threshold": 0.6, "temperature": 1.3, "seed": 4}, 4)
+    runs = {c: [list(r.output_ids) for r in generate(model, prompts, policy | {"commit": c}, max_new_tokens=10,
+                                                     batch_size=2)] for c in ("separate", "fused")}
+    assert runs["fused"] == runs["separate"]
+    greedy = [list(r.output_ids) for r in generate(model, prompts, _policy({"name": "threshold", "threshold": 0.6}, 4),
+                                                   max_new_tokens=10, batch_size=2)]
+    assert runs["fused"] != greedy  # the temperature did something
+
+
 # ----------------------------------------------------------------------------- (b) batch invariance
 
 
@@ -418,12 +494,14 @@ def test_batch_invariance(ckpt_dirs, name, policy, block):
 
 COMPILE_CASES = [
     ("llada2_g4_s0", {"name": "threshold", "threshold": 0.5}, 4),
+    ("llada2_g4_s0", {"name": "threshold", "threshold": 0.5, "commit": "fused"}, 4),  # its 2-block "commit" phase
     ("sdar_s3", {"name": "t2t", "threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 4}, 4),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,policy,block", COMPILE_CASES, ids=[f"{c[0]}-{c[1]['name']}" for c in COMPILE_CASES])
+@pytest.mark.parametrize("name,policy,block", COMPILE_CASES,
+                         ids=[f"{c[0]}-{c[1]['name']}-{c[1].get('commit', 'separate')}" for c in COMPILE_CASES])
 def test_compiled_equals_eager(ckpt_dirs, compile_kw, name, policy, block):
     d = ckpt_dirs[name]
     prompts = [_prompt(200 + i, n) for i, n in enumerate([5, 8, 2, 11])]

@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA device (run on the GPU machine)")]
 
 POLICIES = [{"name": "threshold", "block_size": 8, "threshold": 0.6},
-            {"name": "t2t", "block_size": 8, "threshold": 0.6, "edit_threshold": 0.4, "max_post_steps": 3}]
+            {"name": "t2t", "block_size": 8, "threshold": 0.6, "edit_threshold": 0.4, "max_post_steps": 3},
+            {"name": "threshold", "block_size": 8, "threshold": 0.6, "commit": "fused"}]  # its 2-block phase too
 
 
 def gpu_model(tmp_path, arch: str, dtype, seed: int = 11):
@@ -31,7 +32,7 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llada2", "sdar"])
-@pytest.mark.parametrize("policy", POLICIES, ids=["threshold", "t2t"])
+@pytest.mark.parametrize("policy", POLICIES, ids=["threshold", "t2t", "threshold-fused"])
 def test_cuda_graph_replay_equals_eager(tmp_path, arch, policy):
     model = gpu_model(tmp_path, arch, torch.bfloat16)
     ps = prompts(6, model.config.vocab_size)
@@ -147,3 +148,25 @@ def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):
              for p in ps]
     arriving = Engine(model, EngineConfig(policy, batch_size=2, **kw)).generate(ps, arrivals=[0, 0, 0.05, 0.1])
     assert [r.output_ids for r in arriving] == alone
+
+
+def test_the_recipe_default_compiles_the_decode_step_on_cuda(tmp_path):
+    """compile: auto (the recipe's default, not given here) on CUDA: the run compiles its step, captures it and
+    reports what Inductor's cache held; its tokens are compile: false's (float32: Inductor's fusions round bf16
+    differently, as in test_compiled_graphs_equal_eager)."""
+    from compiledllm.compile_cache import CacheReport
+    from compiledllm.recipe import load_recipe
+    from compiledllm.runner import execute
+
+    ckpt = write_checkpoint(tmp_path / "auto", "llada2", 11, head_dim=64)
+    recipe = {"model": {"path": str(ckpt), "device": "cuda", "dtype": "float32"}, "policy": POLICIES[0],
+              "generation": {"max_new_tokens": 13, "max_seq_len": 48},
+              "prompts": [{"ids": p} for p in prompts(4, 96, seed=1)], "batch_size": 4, "output": None}
+    assert load_recipe(recipe).compile == "auto"
+    compiled, summary = execute(load_recipe(recipe))
+    assert summary.compile is True and summary.startup_s > 0
+    assert isinstance(summary.compile_cache, CacheReport)
+    assert summary.compile_cache.state in ("cold", "warm", "partly warm", "in process")
+    eager, off = execute(load_recipe(recipe, ["compile=false"]))
+    assert off.compile is False and off.compile_cache is None
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
