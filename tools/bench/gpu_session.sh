@@ -12,11 +12,16 @@
 # (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS), serve (issue 30:
 # compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py),
 # blockroute (LLaDA2.2 block routing: tests/models/test_block_routing.py's GPU tests, tools/bench/bench_block_routing.py
-# (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml)
+# (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml),
+# startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
+# commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 STAGES=${STAGES:-tests quickstart moe decode selection}
+# the engine stages' compile setting: false, as every figure of record before `compile: auto` became the
+# default (and their timeouts assume no compile); COMPILE=auto runs what a user gets by default
+COMPILE=${COMPILE:-false}
 mkdir -p "$OUT"
 if ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -91,7 +96,7 @@ if has e2evs; then  # issue 26: compiledllm bench end to end, .base/ (the commit
   for round in $(seq 1 ${E2E_ROUNDS:-1}); do
     for side in base new; do
       dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
-      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${E2EVS_TIMEOUT:-200} python3 -m compiledllm bench \
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${E2EVS_TIMEOUT:-200} python3 -m compiledllm bench --set compile=$COMPILE \
         recipes/profile_llada2_mini.yaml --prompt-len ${E2EVS_PROMPTS:-4096,32000} --output-len 512 --batch 32 \
         --out "$OUT/e2evs_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -5)
     done
@@ -109,9 +114,9 @@ if has e2e; then  # issue 19: compiledllm bench end to end (4K-32K, outputs 512,
   # and prefill interleaved under a request rate; ideal / share: tools/bench/e2e_ideal.py on the JSON afterwards
   python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
   R=recipes/profile_llada2_mini.yaml
-  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --prompt-len 4096,16000,32000 --output-len 512 \
+  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len 4096,16000,32000 --output-len 512 \
     --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep -v -i warn | tail -8
-  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set model.config=sdar-8b --prompt-len 16000,32000 \
+  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --set model.config=sdar-8b --prompt-len 16000,32000 \
     --output-len 256 --batch 1,8,max --out "$OUT/e2e_sdar.json" 2>&1 | grep -v -i warn | tail -8
   timeout ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
 fi
@@ -158,9 +163,9 @@ if has session; then  # issue 26: captured sessions, the demonstrations' capture
 fi
 if has serve; then  # issue 30: the engine in-process (compiledllm bench) and behind HTTP (serve + load_test), same shape
   R=${SERVE_RECIPE:-recipes/serve_llada2_mini.yaml}
-  timeout ${SERVE_BENCH_TIMEOUT:-180} python3 -m compiledllm bench $R --prompt-len ${SERVE_PROMPT:-512} --output-len 128 \
+  timeout ${SERVE_BENCH_TIMEOUT:-180} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len ${SERVE_PROMPT:-512} --output-len 128 \
     --batch 32 --requests ${SERVE_REQUESTS:-512} --out "$OUT/serve_bench_baseline.json" 2>&1 | grep -v -i warn | tail -6
-  python3 -m compiledllm serve $R --port 0 >/tmp/serve.out 2>/tmp/serve.err &
+  python3 -m compiledllm serve $R --set compile=$COMPILE --port 0 >/tmp/serve.out 2>/tmp/serve.err &
   SPID=$!
   for i in $(seq 1 600); do grep -q "serving" /tmp/serve.out && break; kill -0 $SPID 2>/dev/null || break; sleep 0.5; done
   URL=$(grep -o "http://[0-9.:]*" /tmp/serve.out | head -1)
@@ -182,8 +187,29 @@ if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alon
   timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
     ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
   for r in ${BLOCKROUTE_RECIPES:-bench_block48_standard bench_block48}; do
-    timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
+    timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
       --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep -v -i warn \
       | tee "$OUT/e2e_$r.log" | tail -8
+  done
+fi
+if has startup; then  # `compile: auto` cold, warm, and off: LLaDA2.0-mini shape, batch 8 (buckets 1, 2, 4, 8)
+  export COMPILEDLLM_CACHE_DIR=$(mktemp -d /tmp/cllm_cache.XXXX)  # empty: the first run compiles cold
+  for run in cold warm off; do
+    extra=""; [ "$run" = off ] && extra="--set compile=false"
+    t0=$(date +%s.%N)
+    (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout ${STARTUP_TIMEOUT:-170} python3 -m compiledllm bench \
+      recipes/serve_llada2_mini.yaml --prompt-len 512 --output-len 128 --batch 8 $extra --out "$OUT/startup_$run.json" \
+      > "$OUT/startup_$run.log" 2>&1)
+    echo "startup $run: rc $?, whole process $(echo "$(date +%s.%N) - $t0" | bc) s"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); p=r['points'][0]; print({k: p.get(k) for k in \
+('startup_s','output_tokens_per_s','decode_tokens_per_s','compile_cache','error')}, r.get('compile'))" \
+      "$OUT/startup_$run.json" 2>&1 | tail -1
+  done
+fi
+if has commit; then  # threshold's fused commit against the separate one, same call: decode at batch 1, 8, 32
+  for c in separate fused; do
+    timeout ${COMMIT_TIMEOUT:-170} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
+      --set compile=$COMPILE --set policy.commit=$c --set policy.steps=8 --prompt-len 4096 --output-len 256 --batch ${COMMIT_BATCHES:-1,8,32} \
+      --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
   done
 fi
