@@ -52,7 +52,7 @@ def test_a_rerun_that_fails_validation_keeps_the_previous_results(tmp_path, prev
 def test_a_run_that_fails_mid_way_keeps_the_previous_results(tmp_path, previous, monkeypatch):
     real = Engine.generate
 
-    def failing(self, prompts, on_result=None):
+    def failing(self, prompts, on_result=None, on_startup=None):
         def cb(r):
             on_result(r)
             raise RuntimeError("device lost")
@@ -68,7 +68,7 @@ def test_a_run_that_fails_mid_way_keeps_the_previous_results(tmp_path, previous,
 def test_ctrl_c_keeps_what_finished_under_a_clear_name_and_says_so(tmp_path, previous, monkeypatch):
     real = Engine.generate
 
-    def interrupted(self, prompts, on_result=None):
+    def interrupted(self, prompts, on_result=None, on_startup=None):
         def cb(r):
             on_result(r)
             raise KeyboardInterrupt

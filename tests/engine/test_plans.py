@@ -116,5 +116,7 @@ def test_one_constructor_from_a_recipe(tmp_path):
     recipe = load_recipe(path)
     model = compiledllm.load_model("tiny-llada2-random")
     engine = Engine.from_recipe(model, recipe)
-    assert engine.config == EngineConfig(recipe.policy_config(), max_new_tokens=5, batch_size=3, buckets=(1, 3))
+    assert engine.config == EngineConfig(recipe.policy_config(), max_new_tokens=5, batch_size=3, buckets=(1, 3),
+                                         compile="auto")
+    assert not engine.compile  # auto, on the CPU
     assert engine.block == 4 and engine.policy.name == "t2t"
