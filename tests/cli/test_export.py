@@ -40,7 +40,8 @@ def exported(request, tmp_path_factory):
               "policy": {"name": "t2t", "block_size": 4, "threshold": 0.5},
               "generation": {"max_new_tokens": 9, "max_seq_len": 32},
               "prompts": [{"ids": [5, 6, 7]}, {"ids": list(range(10, 19))}, {"text": "the quick brown fox"}],
-              "batch_size": 2, "buckets": [1, 2], "output": str(tmp / "eager.jsonl")}
+              "batch_size": 2, "buckets": [1, 2], "output": str(tmp / "eager.jsonl"),
+              "compile": False}  # the eager engine the export is held against (auto would compile it on CUDA)
     path = write_recipe(tmp / "r.yaml", **recipe)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every warning, each time (not once per place, nor pytest's filters)
