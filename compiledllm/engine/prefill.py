@@ -5,13 +5,15 @@ positions against the row's cached prefix, block-causal inside. Rows prefilling 
 of [rows, C] tokens when their slots are contiguous (the KV rows of a forward are one view): each row at its own
 position, and a row whose prefill ends inside the chunk pads it. Padding starts on a block boundary after the row's
 real tokens, so no real query sees it, and it is never written (kv_write -1). Shapes come from small fixed sets
-(rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block). Prefill
+(rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block). A forward
+holds as many rows as fit `max_tokens` at the chunk its rows need, so short prompts share one forward (128 prompts
+of 128 tokens: one forward of 16K tokens, where a bound by the longest chunk allowed 4 rows, 32 forwards). Prefill
 runs eagerly: at thousands of tokens per forward the matmuls dominate, and a shape-generic compile of the layers
 measured slower at 32K prompts (recompiles; docs/results.md "Prefill").
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,22 +47,24 @@ def chunk_buckets(chunk: int, block: int) -> list[int]:
     return sorted(set(sizes or [top]))
 
 
-def split_rows(slots: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """(first slot, rows) pieces: contiguous runs of `slots`, each cut greedily into the allowed row counts."""
+def split_rows(slots: Sequence[int], sizes: Sequence[int], fits: Callable[[int, int], bool] | None = None
+               ) -> list[tuple[int, int]]:
+    """(first slot, rows) pieces: contiguous runs of `slots`, each cut greedily into the largest allowed row counts
+    for which fits(first slot, rows) holds (a single row always goes)."""
     sizes = sorted(set(sizes), reverse=True)
     pieces, run = [], []
     for s in sorted(slots):
         if run and s != run[-1] + 1:
-            pieces += _cut(run, sizes)
+            pieces += _cut(run, sizes, fits)
             run = []
         run.append(s)
-    return pieces + (_cut(run, sizes) if run else [])
+    return pieces + (_cut(run, sizes, fits) if run else [])
 
 
-def _cut(run: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+def _cut(run: list[int], sizes: list[int], fits: Callable[[int, int], bool] | None) -> list[tuple[int, int]]:
     out, i = [], 0
     while i < len(run):
-        n = next((z for z in sizes if z <= len(run) - i), 1)
+        n = next((z for z in sizes if z <= len(run) - i and (fits is None or fits(run[i], z))), 1)
         out.append((run[i], n))
         i += n
     return out
@@ -71,19 +75,29 @@ class Prefiller:
     forward can stall rows that are decoding."""
 
     def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None):
-        self.model, self.block = model, block
+        self.model, self.block, self.max_tokens = model, block, max_tokens
         self.chunks = chunk_buckets(chunk, block)
-        most = max(1, max_tokens // self.chunks[-1])
+        most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
         self.row_sizes = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most) or [1]
 
-    def pieces(self, slots: Sequence[int]) -> list[tuple[int, int]]:
-        return split_rows(slots, self.row_sizes)
+    def chunk_for(self, left: int) -> int:
+        """The chunk bucket for a row with `left` positions to prefill: the smallest that holds them, else the
+        largest."""
+        return next((c for c in self.chunks if c >= left), self.chunks[-1])
+
+    def pieces(self, slots: Sequence[int], progress: Mapping[int, Progress]) -> list[tuple[int, int]]:
+        """(first slot, rows) of the forwards that prefill `slots` next: contiguous rows, as many as keep rows x the
+        chunk the longest of them needs within max_tokens."""
+        def fits(first: int, rows: int) -> bool:
+            return rows * self.chunk_for(max(progress[s].left for s in range(first, first + rows))) <= self.max_tokens
+
+        return split_rows(slots, self.row_sizes, fits)
 
     def run(self, st: SlotState, kv: KVStore, first: int, rows: int, progress: dict[int, Progress]) -> int:
         """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written."""
         slots = range(first, first + rows)
         left = [progress[s].left for s in slots]
-        C = next((c for c in self.chunks if c >= max(left)), self.chunks[-1])
+        C = self.chunk_for(max(left))
         self._forward(st, kv, first, rows, [progress[s].done for s in slots], [progress[s].end for s in slots], C)
         written = 0
         for s, n in zip(slots, left):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from compiledllm.engine.prefill import Prefiller
+from compiledllm.engine.prefill import Prefiller, Progress
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,11 @@ class Counters:
 
 
 def prefill_pieces(prefiller: Prefiller, prefilling: Sequence[int], admitted: Mapping[int, int],
-                   everyone: bool) -> list[tuple[int, int]]:
+                   progress: Mapping[int, Progress], everyone: bool) -> list[tuple[int, int]]:
     """(first slot, rows) of the prefill forwards to run now: one per contiguous piece of prefilling rows
     (`everyone`: no row is decoding), else only the piece of the earliest admitted request (admitted: slot ->
-    admission order)."""
-    pieces = prefiller.pieces(prefilling)
+    admission order; progress: slot -> its prefill so far)."""
+    pieces = prefiller.pieces(prefilling, progress)
     if everyone:
         return pieces
     first = min(prefilling, key=admitted.__getitem__)

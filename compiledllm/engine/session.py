@@ -61,6 +61,8 @@ class EngineSession:
         self.slots, self.capacity, self.block_events = slots, capacity, block_events
         self.block = self.policy.block_size
         self.threads = follow_threads(self.model.device)  # CPU: torch's threads follow the machine (threads.py)
+        if engine.compile:  # but not once compiled: Dynamo guards on the thread count, so a change recompiles every
+            self.threads = None  # graph (and the compile's own workers, read as other load, would make one at once)
         self.st, self.kv = self._allocate()
         cfg = engine.config
         buckets = engine.buckets or (default_buckets(slots) if engine.cuda_graphs or not engine.compile else [slots])
@@ -265,7 +267,8 @@ class EngineSession:
         """Prefill chunk forwards (scheduler.prefill_pieces); returns the slots whose prefill is complete."""
         owner = self._owner
         progress = {s: owner[s].prefill for s in prefilling}
-        pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, everyone)
+        pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, progress,
+                                everyone)
         t = time.perf_counter()
         with profile_range("prefill"):
             for first, rows in pieces:

@@ -52,6 +52,28 @@ def test_chunk_buckets_and_row_pieces():
     assert split_rows([5], [1, 2]) == [(5, 1)]
 
 
+def test_rows_per_prefill_forward_follow_the_chunk_their_prompts_need():
+    """rows x the chunk the longest row of a piece needs stays within max_tokens: short prompts go many at once."""
+    from compiledllm.engine.prefill import Prefiller, Progress
+
+    pre = Prefiller(None, block=8, chunk=512, max_tokens=1024)  # chunks 128, 256, 512; up to 8 rows of 128
+    assert pre.chunks == [128, 256, 512] and pre.row_sizes == [1, 2, 4, 8]
+    left = {0: 20, 1: 20, 2: 300, 3: 20, 4: 20, 5: 20, 6: 20, 7: 20, 9: 600}
+    progress = {s: Progress(0, n) for s, n in left.items()}
+    assert pre.pieces(sorted(left), progress) == [(0, 2), (2, 2), (4, 4), (9, 1)]
+    assert pre.pieces([0, 1, 3, 4, 5, 6, 7], progress) == [(0, 2), (3, 4), (7, 1)]
+
+
+def test_short_prompts_share_one_prefill_forward(sdar):
+    """8 prompts of 16-31 tokens with 1024 tokens a forward: one forward of 8 rows x 128 (a bound set by the longest
+    chunk, 512, made it 4 forwards of 2 rows), the tokens each prompt gives alone."""
+    prompts = prompts_of([16, 23, 31, 17, 24, 30, 18, 25], sdar.config.vocab_size, seed=3)
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=12, batch_size=8, prefill_chunk=512, prefill_tokens=1024))
+    got = [r.output_ids for r in eng.generate(prompts)]
+    assert eng.stats.prefill_forwards == 1 and eng.stats.prefill_tokens == sum(len(p) // 8 * 8 for p in prompts)
+    assert got == alone(sdar, prompts)
+
+
 def test_batched_prefill_of_rows_at_different_positions_equals_each_alone(sdar):
     """Chunks of 16 positions (so rows of 3..70-token prompts need 0..4 chunks and pad their last one), up to 64
     tokens per forward (4 rows at a time): every row's tokens equal its decode alone with the default prefill."""

@@ -147,6 +147,22 @@ def test_a_session_rechecks_between_steps(model, monkeypatch):
     assert seen[0] == 1 and set(seen) == {1} and session.threads.changes[0][1] == 1
 
 
+def test_a_compiled_session_keeps_the_thread_count_it_compiled_with(model, monkeypatch):
+    """Dynamo guards on torch's thread count: a change between steps would recompile every graph. The default is
+    still applied at the start; the compile itself is not what this checks (Stepper stubbed)."""
+    import compiledllm.engine.session as session_module
+
+    class Uncompiled:
+        def __init__(self, *args, **kwargs):
+            self.startup_s, self.cache = 0.0, None
+
+    monkeypatch.setattr(session_module, "Stepper", Uncompiled)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
+    compiled = Engine(model, EngineConfig(POLICY, max_new_tokens=4, batch_size=2, compile=True)).session(2, 32)
+    assert compiled.threads is None and torch.get_num_threads() == 1
+    assert Engine(model, EngineConfig(POLICY, max_new_tokens=4, batch_size=2)).session(2, 32).threads is not None
+
+
 def test_llm_applies_the_default_and_threads_pins_its_calls(model, monkeypatch):
     monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
     monkeypatch.setattr(threads, "CHECK_S", 1e9)
