@@ -15,6 +15,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
 from compiledllm.policies.edits import EditRecord
+from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
 from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
@@ -25,6 +26,7 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "t2t": (T2TConfig, T2TPolicy),
     "flowblock": (FlowBlockConfig, FlowBlockPolicy),
     "flowblock_sync": (FlowBlockSyncConfig, FlowBlockSyncPolicy),
+    "fast_dllm_cache": (FastDLLMCacheConfig, FastDLLMCachePolicy),
 }
 
 

@@ -1,6 +1,6 @@
-"""A cached policy for a bidirectional model from outside the package (issue #26 item 8): prefix_cache.py, shaped like
-Fast-dLLM v1's prefix cache, runs on the unchanged engine through its extension points (Policy.caches_kv,
-prefill_end, first_block, two phases with a row-subset refresh: hooks.PhaseRun).
+"""`fast_dllm_cache` (compiledllm/policies/fast_dllm_cache.py, Fast-dLLM v1's prefix cache for a bidirectional model)
+on the engine's extension points (Policy.caches_kv, prefill_end, first_block, two phases with a row-subset refresh:
+hooks.PhaseRun).
 
 Its tokens and forward counts are those of a literal loop written here from the description (no engine: LLaDA in
 float64 from the checkpoint, tests/oracle.py's pieces, with the refresh's K/V of the prefix kept in a list), alone,
@@ -13,20 +13,36 @@ import pytest
 import torch
 from checkpoints import MASK_ID, write_checkpoint
 from oracle import OracleModel, confidence, llada_forward, oracle_logits
-from prefix_cache import PrefixCacheConfig, PrefixCachePolicy
 
 import compiledllm
 from compiledllm.engine import Engine, EngineConfig
 from compiledllm.engine.hooks import PhaseRun
 from compiledllm.errors import UserError
 from compiledllm.policies import register_policy
+from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
 
 
-class EveryRowRefreshConfig(PrefixCacheConfig):
+class RecordedConfig(FastDLLMCacheConfig):
     pass  # its own config class: make_policy finds a policy by its config's class
 
 
-class EveryRowRefreshPolicy(PrefixCachePolicy):
+class RecordedPolicy(FastDLLMCachePolicy):
+    """The package's policy, recording per step (decoding slots, slots the refresh ran on): this instance's own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def schedule(self, step):
+        self.schedules.append((step.rows, step.begun))
+        return super().schedule(step)
+
+
+class EveryRowRefreshConfig(FastDLLMCacheConfig):
+    pass
+
+
+class EveryRowRefreshPolicy(RecordedPolicy):
     """The same policy with a careless host schedule: refresh on every decoding row each step. The `fresh` flag
     makes the refresh a no-op for rows that already hold their block's refresh, so the tokens must not change."""
 
@@ -35,8 +51,8 @@ class EveryRowRefreshPolicy(PrefixCachePolicy):
         return [PhaseRun("refresh", step.rows), "decode"]
 
 
-register_policy("prefix_cache", PrefixCacheConfig, PrefixCachePolicy)
-register_policy("prefix_cache_every_row", EveryRowRefreshConfig, EveryRowRefreshPolicy)
+register_policy("fast_dllm_cache_recorded", RecordedConfig, RecordedPolicy)
+register_policy("fast_dllm_cache_every_row", EveryRowRefreshConfig, EveryRowRefreshPolicy)
 NEAR_TIE = 1e-5  # a decision this close to a threshold may flip between float32 (engine) and float64 (literal)
 BLOCK, CAPACITY = 4, 32
 
@@ -58,8 +74,8 @@ class CachedLLaDA(OracleModel):
 
 def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int
                          ) -> tuple[list[int], dict]:
-    """Fast-dLLM's generate_with_prefix_cache as described in prefix_cache.py, one prompt, stopping after the block
-    that holds the first EOS. stats: nfe (forwards), refreshed (blocks their refresh completed, the row going on:
+    """Fast-dLLM's generate_with_prefix_cache as compiledllm/policies/fast_dllm_cache.py describes it, one prompt,
+    stopping after the block that holds the first EOS. stats: nfe (forwards), refreshed (blocks their refresh completed, the row going on:
     the engine's `steps` counts the idle decode phase of that step), margin (the closest decision)."""
     P = len(prompt)
     W = P + -(-n // block) * block
@@ -113,7 +129,7 @@ def prompts(lengths, seed: int = 7) -> list[list[int]]:
     return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
 
 
-def policy(tau: float, name: str = "prefix_cache") -> dict:
+def policy(tau: float, name: str = "fast_dllm_cache") -> dict:
     return {"name": name, "block_size": BLOCK, "threshold": tau}
 
 
@@ -190,7 +206,7 @@ def test_batched_equals_alone_and_refresh_runs_on_a_subset(ckpt, literal, tau):
     model = compiledllm.load_model(ckpt, eos_token_id=eos)
     wants = expected(literal, ps, n, tau, eos)
     alone = [run(model, policy(tau), [p], n, batch=1)[0][0] for p in ps]
-    batched, engine = run(model, policy(tau), ps, n, batch=3, buckets=(1, 2, 3))
+    batched, engine = run(model, policy(tau, "fast_dllm_cache_recorded"), ps, n, batch=3, buckets=(1, 2, 3))
     assert [r.output_ids for r in alone] == [w for w, _ in wants]
     assert [r.output_ids for r in batched] == [w for w, _ in wants]
     assert [r.extra["nfe"] for r in batched] == [r.extra["nfe"] for r in alone] == [st["nfe"] for _, st in wants]
@@ -211,7 +227,7 @@ def test_refresh_on_every_row_changes_nothing(ckpt):
     ps, n = prompts([5, 11, 2, 8], seed=4), 12
     kw = dict(batch=3, ignore_eos=True, buckets=(1, 2, 3))
     exact, _ = run(model, policy(0.6), ps, n, **kw)
-    every, engine = run(model, policy(0.6, "prefix_cache_every_row"), ps, n, **kw)
+    every, engine = run(model, policy(0.6, "fast_dllm_cache_every_row"), ps, n, **kw)
     assert [r.output_ids for r in every] == [r.output_ids for r in exact]
     assert [r.extra["nfe"] for r in every] == [r.extra["nfe"] for r in exact]
     assert sum(r.steps for r in every) > sum(r.steps for r in exact)
@@ -234,7 +250,7 @@ def test_sampling_is_batch_invariant(ckpt):
 
 def test_refuses_a_block_causal_model(tmp_path):
     model = compiledllm.load_model(write_checkpoint(tmp_path / "s", "sdar", 1))
-    with pytest.raises(UserError, match="prefix_cache"):
+    with pytest.raises(UserError, match="fast_dllm_cache"):
         Engine(model, EngineConfig(policy(0.9), max_new_tokens=4))
 
 
@@ -260,7 +276,8 @@ def test_cuda_graphs_equal_eager(tmp_path, dtype, compile):
     ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
     kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
     eager = Engine(model, EngineConfig(policy(0.9), cuda_graphs=False, **kw)).generate(ps)
-    engine = Engine(model, EngineConfig(policy(0.9), cuda_graphs=True, compile=compile, **kw))
+    engine = Engine(model, EngineConfig(policy(0.9, "fast_dllm_cache_recorded"), cuda_graphs=True, compile=compile,
+                                        **kw))
     graphs = engine.generate(ps)
     assert any(0 < len(ref) < len(rows) for rows, ref in engine.policy.schedules), engine.policy.schedules
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]

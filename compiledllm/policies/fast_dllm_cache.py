@@ -1,6 +1,6 @@
-"""A test-only cached policy for a bidirectional model (LLaDA), shaped like Fast-dLLM v1's prefix cache
-(NVlabs/Fast-dLLM, llada/generate.py: generate_with_prefix_cache). Like two_block.py and draft_decode.py it lives
-outside the package and needs no edit to the engine: registered with `register_policy`, the engine runs it.
+"""`fast_dllm_cache`: Fast-dLLM v1's prefix cache for a bidirectional model (LLaDA-8B / 1.5), the approximate KV cache
+that Flash-dLLM is measured against (NVlabs/Fast-dLLM, llada/generate.py: generate_with_prefix_cache; read there, not
+copied). `threshold` with `rule: fast_dllm` is the same decoder without a cache.
 
 Blocks start at the prompt's end (`first_block(P) = P`, as threshold's rule fast_dllm) and the working sequence
 ends a whole number of blocks after it. Per block:
@@ -12,6 +12,9 @@ ends a whole number of blocks after it. Per block:
   block and everything after it, bidirectional among themselves, Q = the KV capacity, padding hidden) against the
   cached prefix [0, block_start) as the refresh wrote it; nothing is written to the cache.
 
+So the prefix's KV is the one of the block's start (approximate: later blocks' tokens changed nothing in it, as in
+Fast-dLLM); the block and the suffix are recomputed every step.
+
 Transfer rule (Fast-dLLM's): the most confident masked position of the block always, plus every masked block
 position with p >= tau. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
 forward only to look at the finished block), in either phase.
@@ -20,7 +23,8 @@ A step is [PhaseRun("refresh", the rows that begin a block), "decode"]: the refr
 only. The per-row flag `fresh` (the cache holds this block's refresh) keeps correctness independent of that host
 schedule: refresh acts on stale rows only, decode on fresh rows only, and a block that completes clears it. `nfe`
 counts the forwards each row really made (the engine's `steps` counts one per phase for every active row, so a
-decode phase that only follows a refresh which retired the row's block counts there too).
+decode phase that only follows a refresh which retired the row's block counts there too). The dual cache (the
+suffix's KV cached too) is not here yet.
 """
 from __future__ import annotations
 
@@ -29,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from compiledllm.attention.spec import AttentionSpec, Bidirectional
-from compiledllm.engine.hooks import PhaseRun
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import select
@@ -37,7 +40,7 @@ from compiledllm.policies.plan import Forward, Update, route_groups
 
 
 @dataclass(frozen=True)
-class PrefixCacheConfig(PolicyConfig):
+class FastDLLMCacheConfig(PolicyConfig):
     threshold: float = 0.9
 
     def __post_init__(self) -> None:
@@ -45,19 +48,17 @@ class PrefixCacheConfig(PolicyConfig):
         check_probability("threshold", self.threshold)
 
 
-class PrefixCachePolicy(Policy):
-    name = "prefix_cache"
-    config: PrefixCacheConfig
+class FastDLLMCachePolicy(Policy):
+    name = "fast_dllm_cache"
+    config: FastDLLMCacheConfig
     phases = ("refresh", "decode")
     row_phases = ("refresh",)
 
     def __init__(self, config, mask_id, bidirectional=False):
         if not bidirectional:
-            raise UserError("policy prefix_cache: Fast-dLLM's prefix cache of a bidirectional model (LLaDA); a "
+            raise UserError("policy fast_dllm_cache: Fast-dLLM's prefix cache of a bidirectional model (LLaDA); a "
                             "block-causal model's own KV cache is exact: use threshold")
         super().__init__(config, mask_id, bidirectional)
-        # per step, on the host: (decoding slots, slots the refresh ran on) - this instance's own record
-        self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     # --- where KV lives ------------------------------------------------------------------------------------------
     @property
@@ -126,7 +127,8 @@ class PrefixCachePolicy(Policy):
 
     # --- host ----------------------------------------------------------------------------------------------------
     def schedule(self, step):
-        self.schedules.append((step.rows, step.begun))
+        from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
+
         return [PhaseRun("refresh", step.begun), "decode"]
 
     def report(self, st, slot):
