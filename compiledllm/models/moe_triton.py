@@ -12,9 +12,9 @@ many row tiles that run in parallel and re-read its weights from L2. Four to six
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[pair(p)] = w[pair(p)] * (act[p] @ Wd[e]^T)                     (pair = token * k + rank)
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
-A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed, so
-no expert kernel reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k, weights) is one
-more kernel; block routing (models/block_routing.py) one at decode, two on prefill chunks. Static shapes (the grid
+A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed, so no expert kernel
+reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k, weights) is one more kernel; block
+routing (models/block_routing.py) two, or one for rows of up to BLOCK_ROUTE_ROW_MAX tokens. Static shapes (the grid
 covers the most row tiles any routing can need; spare programs return at once), no host sync: it compiles and
 captures.
 Triton is imported lazily (CPU installs have none); `available()` says whether this path can run.
