@@ -426,6 +426,18 @@ def test_fused_commit_is_batch_invariant_and_a_no_op_on_bidirectional_models(ckp
             assert [r.steps for r in fused] == [r.steps - saved * r.blocks for r in sep], (name, bs)
 
 
+@pytest.mark.parametrize("rule", ["sdar_static", "sdar_dynamic"])
+def test_fused_commit_keeps_the_peer_rules_tokens(ckpt_dirs, rule):
+    """SDAR's rules (threshold's `rule`, with `steps`) under a fused commit: their tokens, one forward fewer a block."""
+    model = _model(ckpt_dirs["sdar_s3"], 0)
+    prompts = [_prompt(400 + i, n) for i, n in enumerate([5, 8, 3])]
+    policy = _policy({"name": "threshold", "threshold": 0.6, "rule": rule, "steps": 2}, 4)
+    sep, fused = ([generate(model, [p], policy | {"commit": c}, max_new_tokens=10, batch_size=1)[0] for p in prompts]
+                  for c in ("separate", "fused"))
+    assert [r.output_ids for r in fused] == [r.output_ids for r in sep]
+    assert [r.steps for r in fused] == [r.steps - r.blocks for r in sep]
+
+
 def test_commit_setting_is_checked():
     from compiledllm.errors import UserError
     from compiledllm.policies import policy_config
