@@ -10,10 +10,14 @@ ends a whole number of blocks after it. Per block:
   transfer;
 * phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
   block and everything after it, bidirectional among themselves, Q = the KV capacity, padding hidden) against the
-  cached prefix [0, block_start) as the refresh wrote it; nothing is written to the cache.
+  cached prefix [0, block_start) as the refresh wrote it; nothing is written to the cache. With `dual: true`
+  (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
+  [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
+  pool per layer read through an index (kv/pooled.py).
 
-So the prefix's KV is the one of the block's start (approximate: later blocks' tokens changed nothing in it, as in
-Fast-dLLM); the block and the suffix are recomputed every step.
+So the prefix's KV (and with `dual` the suffix's) is the one of the block's start (approximate: what the block's
+steps change reaches it only at the next refresh, as in Fast-dLLM); the block (and without `dual` the suffix) is
+recomputed every step.
 
 Transfer rule (Fast-dLLM's): the most confident masked position of the block always, plus every masked block
 position with p >= tau. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
@@ -23,8 +27,7 @@ A step is [PhaseRun("refresh", the rows that begin a block), "decode"]: the refr
 only. The per-row flag `fresh` (the cache holds this block's refresh) keeps correctness independent of that host
 schedule: refresh acts on stale rows only, decode on fresh rows only, and a block that completes clears it. `nfe`
 counts the forwards each row really made (the engine's `steps` counts one per phase for every active row, so a
-decode phase that only follows a refresh which retired the row's block counts there too). The dual cache (the
-suffix's KV cached too) is not here yet.
+decode phase that only follows a refresh which retired the row's block counts there too).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 
 from compiledllm.attention.spec import AttentionSpec, Bidirectional
 from compiledllm.errors import UserError
+from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import select
 from compiledllm.policies.plan import Forward, Update, route_groups
@@ -42,6 +46,7 @@ from compiledllm.policies.plan import Forward, Update, route_groups
 @dataclass(frozen=True)
 class FastDLLMCacheConfig(PolicyConfig):
     threshold: float = 0.9
+    dual: bool = False  # the suffix's KV cached too (Fast-dLLM's dual cache); else recomputed (its prefix cache)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,6 +69,11 @@ class FastDLLMCachePolicy(Policy):
     @property
     def caches_kv(self) -> bool:
         return True  # the refresh's KV of the prefix, read by the block's decode forwards
+
+    def kv_layout(self, model, slots: int, capacity: int):
+        if not self.config.dual:
+            return super().kv_layout(model, slots, capacity)
+        return PooledLayout.for_model(model, slots, capacity)
 
     def prefill_end(self, prompt_len: int) -> int:
         return 0  # the refresh forward writes every position: nothing to prefill
@@ -102,6 +112,14 @@ class FastDLLMCachePolicy(Policy):
             live = (pos < st.work_len[:, None]) & act[:, None]
             return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), kv_write=torch.where(live, pos, -1),
                            logits_at=idx, logits_rows=need, route_groups=route_groups(pos, self.block_size, live))
+        if self.config.dual:  # the block against the cached positions around it; no KV written
+            Bk = self.block_size
+            around = torch.arange(T - Bk, device=dev)
+            around = torch.where(around < st.block_start[:, None], around, around + Bk)
+            spec = AttentionSpec(Bidirectional(torch.full_like(st.work_len, Bk)),
+                                 prefix_len=(st.work_len - Bk).clamp(min=0), kv_index=pool_index(around, T))
+            return Forward(st.seq.gather(1, idx), idx, spec, logits_rows=need,
+                           route_groups=route_groups(idx, Bk, act[:, None].expand_as(idx)))
         # decode: [block_start, block_start + T) against the cached prefix [0, block_start); no KV written
         length = (st.work_len - st.block_start).clamp(min=0)
         window = torch.arange(T, device=dev)

@@ -72,11 +72,12 @@ class CachedLLaDA(OracleModel):
         return logits[0], fresh
 
 
-def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int
-                         ) -> tuple[list[int], dict]:
-    """Fast-dLLM's generate_with_prefix_cache as compiledllm/policies/fast_dllm_cache.py describes it, one prompt,
-    stopping after the block that holds the first EOS. stats: nfe (forwards), refreshed (blocks their refresh completed, the row going on:
-    the engine's `steps` counts the idle decode phase of that step), margin (the closest decision)."""
+def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int,
+                         dual: bool = False) -> tuple[list[int], dict]:
+    """Fast-dLLM's generate_with_prefix_cache (dual: generate_with_dual_cache) as compiledllm/policies/
+    fast_dllm_cache.py describes it, one prompt, stopping after the block that holds the first EOS. stats: nfe
+    (forwards), refreshed (blocks their refresh completed, the row going on: the engine's `steps` counts the idle
+    decode phase of that step), margin (the closest decision)."""
     P = len(prompt)
     W = P + -(-n // block) * block
     x = list(prompt) + [MASK_ID] * (W - P)
@@ -98,10 +99,13 @@ def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int,
         logits, kv = lm.forward(x)  # refresh: the whole sequence, every position's K/V
         stats["nfe"] += 1
         transfer(logits[s : s + block], s)
-        past = [(k[:, :, :s], v[:, :, :s]) for k, v in kv]  # the cached prefix [0, s)
+        e = s + block
+        # the cached prefix [0, s), with `dual` also the cached suffix [e, W) (key order does not change attention)
+        past = [(torch.cat([k[:, :, :s], k[:, :, e:]], 2), torch.cat([v[:, :, :s], v[:, :, e:]], 2)) if dual
+                else (k[:, :, :s], v[:, :, :s]) for k, v in kv]
         refreshed = MASK_ID not in x[s : s + block]
-        while MASK_ID in x[s : s + block]:  # decode: x[s:] against the cached prefix
-            logits, _ = lm.forward(x[s:], s, past)
+        while MASK_ID in x[s : s + block]:  # decode: x[s:] (dual: x[s:e]) against the cache
+            logits, _ = lm.forward(x[s:e] if dual else x[s:], s, past)
             stats["nfe"] += 1
             transfer(logits[:block], s)
         if eos in x[s : s + block]:
@@ -129,8 +133,8 @@ def prompts(lengths, seed: int = 7) -> list[list[int]]:
     return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
 
 
-def policy(tau: float, name: str = "fast_dllm_cache") -> dict:
-    return {"name": name, "block_size": BLOCK, "threshold": tau}
+def policy(tau: float, name: str = "fast_dllm_cache", dual: bool = False) -> dict:
+    return {"name": name, "block_size": BLOCK, "threshold": tau, "dual": dual}
 
 
 def run(model, pol: dict, ps, n: int, batch: int, **kw):
@@ -139,8 +143,8 @@ def run(model, pol: dict, ps, n: int, batch: int, **kw):
     return engine.generate(ps), engine
 
 
-def expected(literal, ps, n, tau, eos):
-    wants = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos) for p in ps]
+def expected(literal, ps, n, tau, eos, dual: bool = False):
+    wants = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos, dual) for p in ps]
     margin = min(st["margin"] for _, st in wants)
     if margin < NEAR_TIE:
         pytest.skip(f"numerical near-tie (margin {margin:.1e})")
@@ -164,12 +168,13 @@ def test_literal_loop_is_the_oracle_forward(ckpt, literal):
 CASES = [(0.9, [5, 9, 2], 11), (0.3, [5, 9, 2], 13), (0.6, [1, 7, 12], 8)]
 
 
+@pytest.mark.parametrize("dual", [False, True], ids=["prefix", "dual"])
 @pytest.mark.parametrize("tau,lengths,n", CASES)
-def test_engine_equals_literal_prefix_cache(ckpt, literal, tau, lengths, n):
+def test_engine_equals_literal_prefix_cache(ckpt, literal, tau, lengths, n, dual):
     model = compiledllm.load_model(ckpt)
     ps = prompts(lengths, seed=len(lengths) + n)
-    wants = expected(literal, ps, n, tau, eos=-1)
-    got, _ = run(model, policy(tau), ps, n, batch=1, ignore_eos=True)
+    wants = expected(literal, ps, n, tau, eos=-1, dual=dual)
+    got, _ = run(model, policy(tau, dual=dual), ps, n, batch=1, ignore_eos=True)
     for p, r, (want, st) in zip(ps, got, wants):
         assert r.output_ids == want, f"P={len(p)}\n engine : {r.output_ids}\n literal: {want}"
         assert r.extra["nfe"] == st["nfe"], (len(p), r.extra, st)
@@ -188,6 +193,8 @@ def test_the_cache_changes_tokens(ckpt):
     plain, _ = run(model, {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau}, ps, n,
                    batch=3, ignore_eos=True)
     assert all(a.output_ids != b.output_ids for a, b in zip(cached, plain))
+    dual, _ = run(model, policy(tau, dual=True), ps, n, batch=3, ignore_eos=True)  # the suffix's cached KV too
+    assert [r.output_ids for r in dual] != [r.output_ids for r in cached]
 
 
 def eos_for(literal, ps, n, tau) -> int:
@@ -197,16 +204,16 @@ def eos_for(literal, ps, n, tau) -> int:
     return max(counts, key=lambda t: (0 < counts[t] < len(outs), -t))
 
 
-@pytest.mark.parametrize("tau", [0.9, 0.4])
-def test_batched_equals_alone_and_refresh_runs_on_a_subset(ckpt, literal, tau):
+@pytest.mark.parametrize("tau,dual", [(0.9, False), (0.4, False), (0.6, True)])
+def test_batched_equals_alone_and_refresh_runs_on_a_subset(ckpt, literal, tau, dual):
     """Batch 3 of 5 prompts (admissions mid-run, compaction, rows stopping at an EOS) with buckets: every prompt's
     tokens and forwards are its own, and the literal's. The refresh ran on a strict subset of the decoding rows."""
     ps, n = prompts([5, 11, 2, 8, 3], seed=3), 14
     eos = eos_for(literal, ps, n, tau)
     model = compiledllm.load_model(ckpt, eos_token_id=eos)
-    wants = expected(literal, ps, n, tau, eos)
-    alone = [run(model, policy(tau), [p], n, batch=1)[0][0] for p in ps]
-    batched, engine = run(model, policy(tau, "fast_dllm_cache_recorded"), ps, n, batch=3, buckets=(1, 2, 3))
+    wants = expected(literal, ps, n, tau, eos, dual)
+    alone = [run(model, policy(tau, dual=dual), [p], n, batch=1)[0][0] for p in ps]
+    batched, engine = run(model, policy(tau, "fast_dllm_cache_recorded", dual), ps, n, batch=3, buckets=(1, 2, 3))
     assert [r.output_ids for r in alone] == [w for w, _ in wants]
     assert [r.output_ids for r in batched] == [w for w, _ in wants]
     assert [r.extra["nfe"] for r in batched] == [r.extra["nfe"] for r in alone] == [st["nfe"] for _, st in wants]
@@ -254,30 +261,31 @@ def test_refuses_a_block_causal_model(tmp_path):
         Engine(model, EngineConfig(policy(0.9), max_new_tokens=4))
 
 
-def test_compiled_equals_eager(ckpt, compile_kw):
+@pytest.mark.parametrize("dual", [False, True], ids=["prefix", "dual"])
+def test_compiled_equals_eager(ckpt, compile_kw, dual):
     model = compiledllm.load_model(ckpt, eos_token_id=0)
     ps = prompts([5, 2, 9, 3], seed=6)
     kw = dict(max_new_tokens=8, **compile_kw)
-    eager = Engine(model, EngineConfig(policy(0.6), **kw)).generate(ps)
-    compiled = Engine(model, EngineConfig(policy(0.6), compile=True, **kw)).generate(ps)
+    eager = Engine(model, EngineConfig(policy(0.6, dual=dual), **kw)).generate(ps)
+    compiled = Engine(model, EngineConfig(policy(0.6, dual=dual), compile=True, **kw)).generate(ps)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     assert [r.extra["nfe"] for r in compiled] == [r.extra["nfe"] for r in eager]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
-@pytest.mark.parametrize("dtype,compile", [(torch.bfloat16, False), (torch.float32, True)],
-                         ids=["bf16", "fp32-compiled"])
-def test_cuda_graphs_equal_eager(tmp_path, dtype, compile):
+@pytest.mark.parametrize("dtype,compile,dual", [(torch.bfloat16, False, False), (torch.float32, True, False),
+                                               (torch.bfloat16, False, True)], ids=["bf16", "fp32-compiled", "bf16-dual"])
+def test_cuda_graphs_equal_eager(tmp_path, dtype, compile, dual):
     """Each (phase, bucket) captured once; a refresh on a subset of rows replays on the bucket that holds them. bf16
     with head_dim 64 runs the packed-attention kernel for the decode phase (Bidirectional against the prefix)."""
     ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
     model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
     ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
     kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
-    eager = Engine(model, EngineConfig(policy(0.9), cuda_graphs=False, **kw)).generate(ps)
-    engine = Engine(model, EngineConfig(policy(0.9, "fast_dllm_cache_recorded"), cuda_graphs=True, compile=compile,
-                                        **kw))
+    eager = Engine(model, EngineConfig(policy(0.9, dual=dual), cuda_graphs=False, **kw)).generate(ps)
+    engine = Engine(model, EngineConfig(policy(0.9, "fast_dllm_cache_recorded", dual), cuda_graphs=True,
+                                        compile=compile, **kw))
     graphs = engine.generate(ps)
     assert any(0 < len(ref) < len(rows) for rows, ref in engine.policy.schedules), engine.policy.schedules
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
