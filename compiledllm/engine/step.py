@@ -75,9 +75,9 @@ def apply_update(st: SlotState, upd: Update, block: int, eos_id: int) -> None:
     retiring = (pos >= st.block_start[:, None]) & (pos < new_start[:, None]) & (pos >= st.prompt_len[:, None])
     eos_hit = ((st.seq == eos_id) & retiring).any(1)
     finished = (adv > 0) & (eos_hit | (new_start >= st.work_len))
+    for k, v in upd.state.items():  # a row waiting for its prefill keeps its state (the zeros it was admitted with)
+        st.policy[k].copy_(torch.where(act.view(-1, *[1] * (v.dim() - 1)), v, st.policy[k]))
     st.block_start.copy_(new_start)
-    st.steps.add_(act.long())
+    st.steps.add_(act.long())  # act is st.active: read before it changes below
     st.active.copy_(act & ~finished)
     st.retired.add_(adv)
-    for k, v in upd.state.items():
-        st.policy[k].copy_(v)
