@@ -93,15 +93,21 @@ def visibility(L: int, block_size: int | None) -> torch.Tensor:
     return blk[None, :] <= blk[:, None]
 
 
-def attention(q, k, v, vis):
-    """q [B,H,L,hd], k/v [B,KVH,L,hd] (GQA: q head h uses kv head h // (H/KVH))."""
+def attention(q, k, v, vis, probs: list | None = None):
+    """q [B,H,L,hd], k/v [B,KVH,L,hd] (GQA: q head h uses kv head h // (H/KVH)); vis [L, L] or per KV head
+    [KVH, L, L]; `probs` collects the softmax [B, H, L, L]."""
     H, KVH, hd = q.shape[1], k.shape[1], q.shape[-1]
     rep = H // KVH
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
+    if vis.dim() == 3:
+        vis = vis.repeat_interleave(rep, dim=0)
     s = (q @ k.transpose(-1, -2)) * hd**-0.5
     s = s.masked_fill(~vis, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    p = torch.softmax(s, dim=-1)
+    if probs is not None:
+        probs.append(p)
+    return p @ v
 
 
 def split_heads(x: torch.Tensor, n: int, hd: int) -> torch.Tensor:
@@ -179,7 +185,10 @@ def llada2_block_moe(cfg: dict, w: dict, p: str, x: torch.Tensor, blocks: list[i
     return out + shared
 
 
-def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) -> torch.Tensor:
+def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None, layer_vis=None,
+                   probs: list | None = None) -> torch.Tensor:
+    """layer_vis(i): layer i's visibility ([L, L] or per KV head [KVH, L, L]) instead of the block-causal one;
+    probs collects each layer's attention probabilities."""
     B, L = ids.shape
     H, KVH, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -195,7 +204,7 @@ def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None
         q = rms_norm(q, w[p + "attention.query_layernorm.weight"], eps)
         k = rms_norm(k, w[p + "attention.key_layernorm.weight"], eps)
         q, k = rope(q, rot, cfg["rope_theta"]), rope(k, rot, cfg["rope_theta"])
-        a = merge_heads(attention(q, k, v, vis))
+        a = merge_heads(attention(q, k, v, vis if layer_vis is None else layer_vis(i), probs))
         x = x + linear(a, w[p + "attention.dense.weight"])
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         if i < cfg["first_k_dense_replace"]:
@@ -213,7 +222,10 @@ def llada2_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None
 # ----------------------------------------------------------------------------- SDAR (Qwen3 layout)
 
 
-def sdar_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) -> torch.Tensor:
+def sdar_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None, layer_vis=None,
+                 probs: list | None = None) -> torch.Tensor:
+    """layer_vis(i): layer i's visibility ([L, L] or per KV head [KVH, L, L]) instead of the block-causal one;
+    probs collects each layer's attention probabilities."""
     L = ids.shape[1]
     H, KVH, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -228,7 +240,8 @@ def sdar_forward(cfg: dict, w: dict, ids: torch.Tensor, block_size: int | None) 
         q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
         q, k = rope(q, hd, cfg["rope_theta"]), rope(k, hd, cfg["rope_theta"])
-        x = x + linear(merge_heads(attention(q, k, v, vis)), w[p + "self_attn.o_proj.weight"])
+        a = attention(q, k, v, vis if layer_vis is None else layer_vis(i), probs)
+        x = x + linear(merge_heads(a), w[p + "self_attn.o_proj.weight"])
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         x = x + gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
     x = rms_norm(x, w["model.norm.weight"], eps)

@@ -96,7 +96,8 @@ class EngineSession:
         check_fits(tiers, self.slots, self.capacity)
         params = {k: torch.full((self.slots,), float(v), device=device) for k, v in policy.row_params().items()}
         try:
-            st = SlotState.allocate(self.slots, self.capacity, policy.init_state(self.slots, device),
+            state = policy.init_state(self.slots, device) | policy.capacity_state(self.slots, self.capacity, device)
+            st = SlotState.allocate(self.slots, self.capacity, state,
                                     model.mask_token_id, device, params)
             kv = layout.allocate() if layout is not None else None
         except torch.OutOfMemoryError:

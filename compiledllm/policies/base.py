@@ -129,6 +129,11 @@ class Policy(ABC):
         """Per-row state buffers (zeros = the state at the start of a request's first block)."""
         return {}
 
+    def capacity_state(self, batch: int, capacity: int, device: torch.device) -> State:
+        """Per-row state buffers whose size follows the session's KV capacity (an attention-mass accumulator over
+        every cached position, for one), zeros at admission like init_state's; the session adds them to it."""
+        return {}
+
     @abstractmethod
     def plan(self, phase: str, st: SlotState) -> Forward:
         """The forward of `phase` for every slot (inactive rows included: their results are discarded)."""
