@@ -27,10 +27,11 @@ class StepReport:
 @dataclass(frozen=True)
 class StepView:
     """The step about to run: the decoding slots, and those that begin a block with it (admitted, or whose last
-    step retired a block); slots as they are now, after any compaction."""
+    step retired a block); slots as they are now, after any compaction. `schedule` reads the host hooks' state here."""
 
     rows: tuple[int, ...]
     begun: tuple[int, ...]
+    state: dict = field(default_factory=dict)  # the policy's host state (HostContext.state), as its hooks left it
 
 
 @dataclass(frozen=True)

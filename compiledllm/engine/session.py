@@ -191,7 +191,7 @@ class EngineSession:
         decoding = sorted(decoding + ready)
         if not decoding:
             return events
-        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))))
+        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state)
         policy.before_step(self.host, view)
         t = time.perf_counter()
         self.stepper.run(1 + max(decoding), policy.schedule(view), st.selected)

@@ -1,15 +1,21 @@
-"""KV with a per-block selection: the full cache of every layer plus, for the layers past the dense ones, a pool of the
-positions each (row, KV head) selected for its current block (MAGE, HERALD; docs/design.md §5).
+"""KV with a per-block selection: every layer's full cache plus, per row, the positions each (layer, KV head) selected
+for the row's current block (MAGE, HERALD; docs/design.md §5).
 
-Layer i >= dense_layers keeps one tensor [slots * (capacity + 1) + slots * P, KVH, D]: first the full cache (slot s,
-position p at row s * (capacity + 1) + p, the last row of each slot the spare a -1 write lands on), then the
-selection region (slot s's j-th selected key at row slots * (capacity + 1) + s * P + j; per KV head its own
-position). The layer's view reads it as a pool through the store's own `index` [slots, capacity] and `length`
-[slots]: per row either the full prefix (index = the row's full-cache rows, length = its cached prefix; the mode of a
-block's first step, when the selection is made) or the selection (index = the row's selection rows, length = the
-number selected). A forward writes its fresh K/V to the full cache only. Layers below dense_layers are a plain device
-cache. So one captured step serves rows in either mode; `select` and `read_full` switch rows between them and are
-pure tensor work (run in the policy's captured post-forward hook).
+Every layer keeps one tensor [N, KVH, D] of regions:
+
+* full cache: slot s, position p at row s * (capacity + 1) + p (the last row of each slot is the spare a -1 write
+  lands on);
+* `regions` selection regions of P rows per slot (region r, slot s, j-th selected key at F + (r * slots + s) * P + j,
+  F = slots * (capacity + 1)); per KV head its own position; HERALD keeps two (the one being read and the one the
+  next block's selection goes to);
+* a draft region of `draft` rows per slot (HERALD's copy of the draft block's K/V, which the next block's retrieval
+  reads while the main steps rewrite the block).
+
+Layers below dense_layers always read their full cache. A selecting layer's view reads its tensor as a pool through
+the store's own `index` [slots, capacity] and `length` [slots]: per row the full prefix (a block's first step, when
+the selection is made) or the row's selection. A forward writes its fresh K/V to the full cache only. Switching rows
+between modes (`read_full`, `select`, `select_next` + `swap`) is pure tensor work over row masks, so it runs inside a
+captured step or from a host hook alike.
 """
 from __future__ import annotations
 
@@ -24,13 +30,13 @@ from compiledllm.kv.store import DeviceKV
 
 @dataclass(frozen=True)
 class SparseLayer:
-    """A selecting layer's view (kv/cache.LayerKV) of rows [first, first + B): the whole layer tensor as a pool, the
-    rows' own index and length."""
+    """A layer's view (kv/cache.LayerKV) of rows [first, first + B) as a pool: the whole tensor, the rows' index and
+    length (None: the forward's prefix_len)."""
 
     k: torch.Tensor  # [N, KVH, D]
     v: torch.Tensor
     index: torch.Tensor  # [B, capacity] pool rows of each row's visible keys
-    length: torch.Tensor  # [B]
+    length: torch.Tensor | None
     first: int
     capacity: int
 
@@ -42,57 +48,105 @@ class SparseLayer:
         self.v.index_put_((rows,), v)
 
 
+@dataclass(frozen=True)
+class Regions:
+    """The per-layer tensor's sizes (rows)."""
+
+    slots: int
+    capacity: int
+    per_row: int      # P: selected keys a region holds per slot
+    regions: int = 1  # selection regions
+    draft: int = 0    # draft rows per slot
+
+    @property
+    def full_rows(self) -> int:
+        return self.slots * (self.capacity + 1)
+
+    @property
+    def rows(self) -> int:
+        return self.full_rows + self.slots * (self.regions * self.per_row + self.draft)
+
+
 class SparseKV:
     """The store (kv/store.KVStore) over slots [first, first + n)."""
 
-    def __init__(self, dense_k: list, dense_v: list, k: list, v: list, index: torch.Tensor, length: torch.Tensor,
-                 count: torch.Tensor, slots: int, capacity: int, per_row: int, first: int = 0, n: int | None = None):
-        self.dense_k, self.dense_v, self.k, self.v = dense_k, dense_v, k, v
-        self.index, self.length, self.count = index, length, count  # [slots, capacity], [slots], [slots]
-        self.slots, self.capacity, self.per_row = slots, capacity, per_row
-        self.first, self.n = first, slots - first if n is None else n
+    def __init__(self, k: list, v: list, dense_layers: int, size: Regions, index: torch.Tensor,
+                 length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor, first: int = 0,
+                 n: int | None = None):
+        self.k, self.v, self.dense_layers, self.size = k, v, dense_layers, size
+        # per slot: the rows read, how many, the selection region read (or read next), keys kept in a region
+        self.index, self.length, self.region, self.kept = index, length, region, kept
+        self.first, self.n = first, size.slots - first if n is None else n
+        self.device = index.device
 
     @property
-    def dense_layers(self) -> int:
-        return len(self.dense_k)
+    def capacity(self) -> int:
+        return self.size.capacity
+
+    @property
+    def per_row(self) -> int:
+        return self.size.per_row
+
+    @property
+    def selecting_layers(self) -> range:
+        return range(self.dense_layers, len(self.k))
 
     def _rows(self) -> slice:
         return slice(self.first, self.first + self.n)
 
+    def _slots(self) -> torch.Tensor:
+        return self.first + torch.arange(self.n, device=self.device)[:, None]
+
+    # --- regions as tensors ------------------------------------------------------------------------------------------
     def full(self, t: torch.Tensor) -> torch.Tensor:
-        """A selecting layer's full cache [n, capacity + 1, KVH, D] for this store's slots."""
-        S = self.capacity + 1
-        return t[: self.slots * S].view(self.slots, S, *t.shape[1:])[self._rows()]
+        """A layer's full cache [n, capacity + 1, KVH, D] for this store's slots."""
+        s = self.size
+        return t[: s.full_rows].view(s.slots, s.capacity + 1, *t.shape[1:])[self._rows()]
 
-    def selection(self, t: torch.Tensor) -> torch.Tensor:
-        """A selecting layer's selection region [n, P, KVH, D] for this store's slots."""
-        return t[self.slots * (self.capacity + 1):].view(self.slots, self.per_row, *t.shape[1:])[self._rows()]
+    def selection(self, t: torch.Tensor, r: int) -> torch.Tensor:
+        """A layer's selection region r [n, P, KVH, D] for this store's slots."""
+        s = self.size
+        start = s.full_rows + r * s.slots * s.per_row
+        return t[start : start + s.slots * s.per_row].view(s.slots, s.per_row, *t.shape[1:])[self._rows()]
 
+    def drafts(self, t: torch.Tensor) -> torch.Tensor:
+        """A layer's draft region [n, draft, KVH, D] for this store's slots."""
+        s = self.size
+        start = s.full_rows + s.regions * s.slots * s.per_row
+        return t[start:].view(s.slots, s.draft, *t.shape[1:])[self._rows()]
+
+    def _full_index(self) -> torch.Tensor:
+        return self._slots() * (self.capacity + 1) + torch.arange(self.capacity, device=self.device)
+
+    def _selection_index(self, region: torch.Tensor) -> torch.Tensor:
+        """[n, capacity] the rows of each row's selection region `region` [n] (past P: full-cache rows, never read)."""
+        s, j = self.size, torch.arange(self.capacity, device=self.device)
+        rows = s.full_rows + (region[:, None] * s.slots + self._slots()) * s.per_row + j
+        return torch.where(j < s.per_row, rows, self._full_index())
+
+    # --- views -------------------------------------------------------------------------------------------------------
     def layer(self, i: int):
         if i < self.dense_layers:
-            return CacheLayer(self.dense_k[i][self._rows()], self.dense_v[i][self._rows()])
-        j = i - self.dense_layers
+            return CacheLayer(self.full(self.k[i]), self.full(self.v[i]))
         r = self._rows()
-        return SparseLayer(self.k[j], self.v[j], self.index[r], self.length[r], self.first, self.capacity)
+        return SparseLayer(self.k[i], self.v[i], self.index[r], self.length[r], self.first, self.capacity)
 
     def rows(self, start: int, end: int, indexed: bool | None = None) -> "SparseKV":
-        return SparseKV(self.dense_k, self.dense_v, self.k, self.v, self.index, self.length, self.count, self.slots,
-                        self.capacity, self.per_row, self.first + start, end - start)
+        return SparseKV(self.k, self.v, self.dense_layers, self.size, self.index, self.length, self.region,
+                        self.kept, self.first + start, end - start)
 
-    def prefill_rows(self, start: int, end: int) -> "PrefillView":
-        return PrefillView(self.rows(start, end))  # prefill chunks attend to the whole prefix
+    def prefill_rows(self, start: int, end: int) -> "FullView":
+        return FullView(self.rows(start, end))  # prefill chunks attend to the whole prefix
+
+    def retrieval_rows(self, start: int, end: int, block: torch.Tensor | None) -> "RetrievalView":
+        """Slots [start, end) as a retrieval forward reads them: every layer's full cache, with the positions
+        [block, block + draft) ([n]) read from the draft region instead (None: no draft, the full cache only)."""
+        return RetrievalView(self.rows(start, end), block)
 
     # --- modes ---------------------------------------------------------------------------------------------------
-    def _full_index(self) -> torch.Tensor:
-        slot = self.first + torch.arange(self.n, device=self.index.device)[:, None]
-        return slot * (self.capacity + 1) + torch.arange(self.capacity, device=self.index.device)
-
-    def _selection_index(self) -> torch.Tensor:
-        """The rows' selection rows (past P: their full-cache rows, never read: length <= P)."""
-        j = torch.arange(self.capacity, device=self.index.device)
-        slot = self.first + torch.arange(self.n, device=self.index.device)[:, None]
-        return torch.where(j < self.per_row, self.slots * (self.capacity + 1) + slot * self.per_row + j,
-                           self._full_index())
+    def reads_full(self) -> torch.Tensor:
+        """[n] bool: the rows that read their full cache now."""
+        return self.index[self._rows(), 0] < self.size.full_rows
 
     def read_full(self, rows: torch.Tensor, prefix: torch.Tensor) -> None:
         """Rows where `rows` [n] is True read their full cache up to `prefix` [n] from now on."""
@@ -100,43 +154,97 @@ class SparseKV:
         self.index[r] = torch.where(rows[:, None], self._full_index(), self.index[r])
         self.length[r] = torch.where(rows, prefix, self.length[r])
 
+    def _gather(self, rows: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor) -> None:
+        """Every selecting layer l: chosen[l] [n, KVH, P] positions (the capacity: an unused entry) -> the rows'
+        selection region `target` [n]."""
+        for j, layer in enumerate(self.selecting_layers):
+            idx = chosen[j].transpose(1, 2)[..., None].expand(-1, -1, -1, self.k[layer].shape[-1])
+            for t in (self.k[layer], self.v[layer]):
+                picked = self.full(t).gather(1, idx)
+                for r in range(self.size.regions):
+                    take = (rows & (target == r))[:, None, None, None]
+                    dest = self.selection(t, r)
+                    dest.copy_(torch.where(take, picked, dest))
+
+    def _top(self, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """[L, n, KVH, P] positions in order, padded with the capacity: per (layer, row, KV head) the keep[n] (<= P)
+        positions < prefix[n] of largest importance (ties: the lower position)."""
+        pos = torch.arange(importance.shape[-1], device=importance.device)
+        score = importance.masked_fill(pos >= prefix[None, :, None, None], float("-inf"))
+        P = min(self.per_row, importance.shape[-1])
+        top = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :P]
+        ok = torch.arange(P, device=top.device) < keep[None, :, None, None]
+        chosen = torch.sort(torch.where(ok, top, self.capacity), dim=-1).values
+        if P < self.per_row:
+            chosen = torch.cat([chosen, chosen.new_full((*chosen.shape[:-1], self.per_row - P), self.capacity)], -1)
+        return chosen
+
     def select(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> None:
         """Rows where `rows` [n] is True read, from now on, in every selecting layer l and KV head h only the `keep`
         [n] (<= P) positions of their prefix [0, prefix) with the largest importance[l, :, h] ([L, n, KVH, >=
-        prefix]; ties: the lower position), gathered from the full cache in position order."""
-        L, n, KVH, _ = importance.shape
-        pos = torch.arange(importance.shape[-1], device=importance.device)
-        score = importance.masked_fill(pos >= prefix[None, :, None, None], float("-inf"))
-        top = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., : self.per_row]
-        ranked = torch.arange(self.per_row, device=top.device) < keep[None, :, None, None]
-        chosen = torch.sort(torch.where(ranked, top, importance.shape[-1]), dim=-1).values.clamp(max=self.capacity)
-        take = rows[:, None, None, None]
-        for j in range(L):
-            idx = chosen[j].transpose(1, 2)[..., None].expand(n, self.per_row, KVH, self.k[j].shape[-1])
-            for t in (self.k[j], self.v[j]):
-                picked, dest = self.full(t).gather(1, idx), self.selection(t)
-                dest.copy_(torch.where(take, picked, dest))
+        prefix]; ties: the lower position), gathered from the full cache in position order (MAGE)."""
+        chosen = self._top(importance, prefix, keep)
         r = self._rows()
-        self.index[r] = torch.where(rows[:, None], self._selection_index(), self.index[r])
+        self._gather(rows, chosen, self.region[r])
+        self.index[r] = torch.where(rows[:, None], self._selection_index(self.region[r]), self.index[r])
         self.length[r] = torch.where(rows, keep, self.length[r])
-        self.count[r] = torch.where(rows, keep, self.count[r])
+
+    def select_next(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor
+                    ) -> None:
+        """HERALD's retrieval for rows where `rows` is True: the same selection of `keep` positions of [0, prefix),
+        gathered into the region the rows do not read now; `swap` appends the block after the prefix and switches.
+        (The importance may come from a forward that also saw a draft of that block: it ranks the prefix only.)"""
+        chosen = self._top(importance, prefix, keep)
+        r = self._rows()
+        self._gather(rows, chosen, 1 - self.region[r])
+        self.kept[r] = torch.where(rows, keep, self.kept[r])
+
+    def swap(self, rows: torch.Tensor, block: torch.Tensor, size: int) -> None:
+        """Rows where `rows` is True: append the full cache's [block, block + size) ([n]) to their idle region's
+        selection and read that region from now on (HERALD's pool swap at a block boundary)."""
+        r = self._rows()
+        idle, kept = 1 - self.region[r], self.kept[r]
+        pos = (block[:, None] + torch.arange(size, device=self.device)).clamp(0, self.capacity)  # [n, size]
+        slot_at = (kept[:, None] + torch.arange(size, device=self.device)).clamp(max=self.per_row - 1)
+        for layer in self.selecting_layers:
+            for t in (self.k[layer], self.v[layer]):
+                src = self.full(t).gather(1, pos[..., None, None].expand(-1, -1, *t.shape[1:]))
+                for reg in range(self.size.regions):
+                    take = (rows & (idle == reg))[:, None, None, None]
+                    dest = self.selection(t, reg)
+                    old = dest.gather(1, slot_at[..., None, None].expand(-1, -1, *t.shape[1:]))
+                    dest.scatter_(1, slot_at[..., None, None].expand(-1, -1, *t.shape[1:]),
+                                  torch.where(take, src, old))
+        self.region[r] = torch.where(rows, idle, self.region[r])
+        self.index[r] = torch.where(rows[:, None], self._selection_index(self.region[r]), self.index[r])
+        self.length[r] = torch.where(rows, kept + size, self.length[r])
+
+    def stage_draft(self, rows: torch.Tensor, block: torch.Tensor) -> None:
+        """Copy every layer's full-cache positions [block, block + draft) ([n]) of rows where `rows` is True into
+        the draft region (the draft's K/V, which the main steps may rewrite before the retrieval reads it)."""
+        pos = (block[:, None] + torch.arange(self.size.draft, device=self.device)).clamp(0, self.capacity)
+        for t in (*self.k, *self.v):
+            src = self.full(t).gather(1, pos[..., None, None].expand(-1, -1, *t.shape[1:]))
+            dest = self.drafts(t)
+            dest.copy_(torch.where(rows[:, None, None, None], src, dest))
 
     def move(self, src: int, dst: int, length: int) -> None:
-        S, P = self.capacity + 1, self.per_row
-        for t in (*self.dense_k, *self.dense_v):
-            t[dst, :length] = t[src, :length]
+        s = self.size
+        one = lambda slot: self.rows(slot, slot + 1)  # noqa: E731
+        a, b = one(src), one(dst)
         for t in (*self.k, *self.v):
-            t[dst * S : dst * S + length] = t[src * S : src * S + length]
-            base = self.slots * S
-            t[base + dst * P : base + (dst + 1) * P] = t[base + src * P : base + (src + 1) * P]
-        selected = bool((self.index[src, 0] >= self.slots * S).item()) if self.capacity else False
-        one = SparseKV(self.dense_k, self.dense_v, self.k, self.v, self.index, self.length, self.count, self.slots,
-                       self.capacity, self.per_row, dst, 1)
-        one.index[dst] = (one._selection_index() if selected else one._full_index())[0]
-        self.length[dst], self.count[dst] = self.length[src], self.count[src]
+            b.full(t)[:, :length] = a.full(t)[:, :length]
+            for r in range(s.regions):
+                b.selection(t, r).copy_(a.selection(t, r))
+            if s.draft:
+                b.drafts(t).copy_(a.drafts(t))
+        for buf in (self.length, self.region, self.kept):
+            buf[dst] = buf[src]
+        selected = bool((self.index[src, 0] >= s.full_rows).item()) if self.capacity else False
+        self.index[dst] = (b._selection_index(self.region[dst : dst + 1]) if selected else b._full_index())[0]
 
 
-class PrefillView:
+class FullView:
     """What prefill chunks see: every layer's full cache as a plain device cache."""
 
     def __init__(self, kv: SparseKV):
@@ -144,43 +252,63 @@ class PrefillView:
 
     def layer(self, i: int) -> CacheLayer:
         kv = self.kv
-        if i < kv.dense_layers:
-            return kv.layer(i)
-        j = i - kv.dense_layers
-        return CacheLayer(kv.full(kv.k[j]), kv.full(kv.v[j]))
+        return CacheLayer(kv.full(kv.k[i]), kv.full(kv.v[i]))
+
+
+class RetrievalView:
+    """A retrieval forward's store: every layer reads the rows' full cache, positions [block, block + draft) from
+    the draft region; the forward writes nothing."""
+
+    def __init__(self, kv: SparseKV, block: torch.Tensor | None):
+        self.kv = kv
+        index = kv._full_index()
+        if block is not None:
+            s, j = kv.size, torch.arange(kv.capacity, device=kv.device)
+            draft = s.full_rows + s.regions * s.slots * s.per_row + kv._slots() * s.draft + (j - block[:, None])
+            inside = (j >= block[:, None]) & (j < block[:, None] + s.draft)
+            index = torch.where(inside, draft, index)
+        self.index = index
+
+    def layer(self, i: int) -> SparseLayer:
+        kv = self.kv
+        return SparseLayer(kv.k[i], kv.v[i], self.index, None, kv.first, kv.capacity)
 
 
 @dataclass(frozen=True)
 class SparseLayout:
-    """The full cache's sizes, plus a selection of up to ceil(budget x capacity) positions per row in every layer
-    from `dense_layers` on."""
+    """The full cache's sizes, plus `regions` selections of up to `per_row` positions per slot and a draft region of
+    `draft` positions per slot, in every layer (the selecting ones read them)."""
 
     full: DeviceKV
     dense_layers: int
-    budget: float
+    per_row: int
+    regions: int = 1
+    draft: int = 0
+
+    @staticmethod
+    def budget_rows(budget: float, capacity: int, extra: int = 0) -> int:
+        """P for a budget (a share of the prefix) at this capacity, plus `extra` (HERALD's appended block)."""
+        return min(capacity, max(1, math.ceil(budget * capacity)) + extra)
 
     @property
-    def per_row(self) -> int:
-        return max(1, math.ceil(self.budget * self.full.capacity))
-
-    def _bytes(self, rows: int) -> int:
+    def size(self) -> Regions:
         f = self.full
-        return 2 * rows * f.kv_heads * f.head_dim * (torch.finfo(f.dtype).bits // 8)
+        return Regions(f.slots, f.capacity, self.per_row, self.regions, self.draft)
 
     def tiers(self) -> list[Tier]:
-        f, sel = self.full, self.full.num_layers - self.dense_layers
+        f, s = self.full, self.size
+        per_row = 2 * f.kv_heads * f.head_dim * (torch.finfo(f.dtype).bits // 8) * f.num_layers
         dev = torch.device(f.device)
-        return [Tier("device KV cache", dev, self._bytes(f.num_layers * f.slots * (f.capacity + 1))),
-                Tier("selected KV", dev, self._bytes(sel * f.slots * self.per_row))]
+        return [Tier("device KV cache", dev, per_row * s.full_rows),
+                Tier("selected KV", dev, per_row * (s.rows - s.full_rows))]
 
     def allocate(self) -> SparseKV:
-        f, P = self.full, self.per_row
-        zeros = lambda *shape: torch.zeros(*shape, f.kv_heads, f.head_dim, dtype=f.dtype, device=f.device)  # noqa: E731
-        dense = lambda: [zeros(f.slots, f.capacity + 1) for _ in range(self.dense_layers)]  # noqa: E731
-        pools = lambda: [zeros(f.slots * (f.capacity + 1 + P)) for _ in range(f.num_layers - self.dense_layers)]  # noqa: E731
+        f, s = self.full, self.size
+        tensor = lambda: torch.zeros(s.rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=f.device)  # noqa: E731
+        k = [tensor() for _ in range(f.num_layers)]
+        v = [tensor() for _ in range(f.num_layers)]
+        zeros = lambda: torch.zeros(f.slots, dtype=torch.long, device=f.device)  # noqa: E731
         index = torch.zeros(f.slots, f.capacity, dtype=torch.long, device=f.device)
-        length = torch.zeros(f.slots, dtype=torch.long, device=f.device)
-        kv = SparseKV(dense(), dense(), pools(), pools(), index, length, torch.zeros_like(length), f.slots,
-                      f.capacity, P)
-        kv.read_full(torch.ones_like(length, dtype=torch.bool), length)
+        kv = SparseKV(k, v, self.dense_layers, s, index, zeros(), zeros(), zeros())
+        kv.read_full(torch.ones(f.slots, dtype=torch.bool, device=f.device), kv.length)
         return kv

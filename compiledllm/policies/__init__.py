@@ -18,6 +18,7 @@ from compiledllm.policies.edits import EditRecord
 from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
 from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
+from compiledllm.policies.herald import HeraldConfig, HeraldPolicy
 from compiledllm.policies.mage import MageConfig, MagePolicy
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
@@ -29,6 +30,7 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "flowblock_sync": (FlowBlockSyncConfig, FlowBlockSyncPolicy),
     "fast_dllm_cache": (FastDLLMCacheConfig, FastDLLMCachePolicy),
     "mage": (MageConfig, MagePolicy),
+    "herald": (HeraldConfig, HeraldPolicy),
 }
 
 

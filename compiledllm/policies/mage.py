@@ -66,7 +66,8 @@ class MagePolicy(ThresholdPolicy):
                             "to select in")
         self.layers = tuple(range(self.config.dense_layers, n))
         self.kv_heads = model.config.num_kv_heads
-        return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, self.config.budget)
+        per_row = SparseLayout.budget_rows(self.config.budget, capacity)
+        return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row)
 
     def capacity_state(self, batch, capacity, device):
         # per row, selecting layer and KV head: the mass each key (prefix, then the block) got in the select step
@@ -99,12 +100,16 @@ class MagePolicy(ThresholdPolicy):
     def after_forward(self, phase, st, fwd, upd, kv):
         done = st.active & (upd.advance > 0)
         if phase == "select":
-            chosen = self.selecting(st) & ~done
-            mass = st.policy["mass"]
-            kv.select(chosen, mass.transpose(0, 1), st.block_start, self.keep(st.block_start))
-            mass.masked_fill_(self.selecting(st)[:, None, None, None], 0.0)
+            self.select(st, done, kv)
         # a retired block's row reads its whole prefix (now with that block) for its next block's first step
         kv.read_full(done, torch.minimum(st.block_start + self.block_size * upd.advance, st.work_len))
+
+    def select(self, st, done: torch.Tensor, kv) -> None:
+        """The rows whose select step this was: their selection from the mass it counted; the counts reset."""
+        mass = st.policy["mass"]
+        rows = self.selecting(st) & ~done & kv.reads_full()  # (a row may begin a block on a prepared selection)
+        kv.select(rows, mass.transpose(0, 1), st.block_start, self.keep(st.block_start))
+        mass.masked_fill_(self.selecting(st)[:, None, None, None], 0.0)
 
     def on_blocks(self, host, rows):
         st = host.st

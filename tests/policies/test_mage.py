@@ -1,20 +1,14 @@
 """`mage` (compiledllm/policies/mage.py, kv/sparse.py): exact selection once per block, reused for its later steps.
 
-Its tokens are those of a literal loop written here from the description: tests/oracle.py's float64 forward over the
-whole working sequence each step, where in every selecting layer and KV head the rows of block m see, of the prefix
-before block m, only what block m's first step selected (that step's own rows see all of it), and the selection is
-the ceil(budget x prefix) keys with the largest attention mass from block m's [MASK] queries (the KV head's query
-heads' softmax probabilities summed). Recomputing every row with its block's visibility gives exactly the KV a cache
-holds: each retired block's KV came from a forward where it saw its own selection. Also: budget 1.0 == dense
-`threshold`, batched == alone with admissions and compaction, compiled == eager, captured == eager on a GPU."""
+Its tokens are those of a literal float64 loop written from the description (literal_selection.py). Also: budget 1.0
+== dense `threshold`, batched == alone with admissions and compaction, compiled == eager, captured == eager on a
+GPU."""
 from __future__ import annotations
 
-import math
-
+import literal_selection
 import pytest
 import torch
-from checkpoints import MASK_ID, write_checkpoint
-from oracle import _FORWARDS, _arch, literal_decode, load_checkpoint, visibility
+from checkpoints import write_checkpoint
 
 import compiledllm
 from compiledllm.engine import Engine, EngineConfig, generate
@@ -45,56 +39,9 @@ def run(model, policy, batch, ps, new=12, **kw):
     return Engine(model, cfg).generate(ps)
 
 
-class LiteralMage:
-    """logits_fn for oracle.literal_decode: MAGE's visibility, from the block each call decodes (its last BLOCK
-    positions); a block's first call selects."""
-
-    def __init__(self, ckpt, budget: float, dense_layers: int, first_block: int):
-        self.cfg, self.w = load_checkpoint(ckpt)
-        self.forward = _FORWARDS[_arch(self.cfg)]
-        self.budget, self.dense, self.first = budget, dense_layers, first_block
-        self.kvh = self.cfg["num_key_value_heads"]
-        self.sel: dict[int, dict[int, list[set[int]]]] = {}  # block start -> layer -> per KV head positions
-        self.current = None
-
-    def vis(self, layer: int, L: int, selecting: int | None) -> torch.Tensor:
-        base = visibility(L, BLOCK)
-        if layer < self.dense:
-            return base
-        out = base[None].repeat(self.kvh, 1, 1)
-        for b in range(self.first, L, BLOCK):
-            if b == selecting:
-                continue
-            for h in range(self.kvh):
-                hidden = [s for s in range(b) if s not in self.sel[b][layer][h]]
-                out[h, b : b + BLOCK, hidden] = False
-        return out
-
-    def __call__(self, ids: torch.Tensor, block_size) -> torch.Tensor:
-        L = ids.shape[1]
-        s = L - BLOCK
-        selecting = s if s != self.current else None
-        self.current = s
-        probs: list[torch.Tensor] = []
-        with torch.no_grad():
-            logits = self.forward(self.cfg, self.w, ids, BLOCK, lambda i: self.vis(i, L, selecting), probs)
-        if selecting is not None:
-            rows = [r for r in range(s, L) if int(ids[0, r]) == MASK_ID]
-            keep = math.ceil(self.budget * s)
-            G = probs[0].shape[1] // self.kvh
-            self.sel[s] = {}
-            for layer in range(self.dense, len(probs)):
-                p = probs[layer][0]  # [H, L, L]
-                mass = p[:, rows, :s].sum(1).view(self.kvh, G, s).sum(1)  # [KVH, s]
-                order = [sorted(range(s), key=lambda t: (-float(mass[h, t]), t))[:keep] for h in range(self.kvh)]
-                self.sel[s][layer] = [set(o) for o in order]
-        return logits
-
-
-def literal(ckpt, model, prompt, budget, dense_layers=2, new=12):
-    fn = LiteralMage(ckpt, budget, dense_layers, len(prompt) // BLOCK * BLOCK)
-    return literal_decode(fn, prompt, policy="threshold", block_size=BLOCK, max_new_tokens=new, mask_id=MASK_ID,
-                          eos_id=-1, threshold=DENSE["threshold"])
+def literal(ckpt, prompt, budget, dense_layers=2, new=12):
+    return literal_selection.literal(ckpt, prompt, block=BLOCK, threshold=DENSE["threshold"], new=new, budget=budget,
+                                     dense_layers=dense_layers)
 
 
 @pytest.mark.parametrize("budget,dense_layers", [(0.3, 2), (0.5, 1)])
@@ -103,7 +50,7 @@ def test_mage_equals_a_literal_selection_loop(ckpt, model, budget, dense_layers)
     got = run(model, DENSE | {"name": "mage", "budget": budget, "dense_layers": dense_layers}, 3, ps)
     dense = run(model, DENSE, 3, ps)
     for p, r in zip(ps, got):
-        assert r.output_ids == literal(ckpt, model, p, budget, dense_layers), p
+        assert r.output_ids == literal(ckpt, p, budget, dense_layers), p
     assert [r.output_ids for r in got] != [r.output_ids for r in dense], "the selection changed nothing"
 
 

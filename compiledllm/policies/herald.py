@@ -1,0 +1,197 @@
+"""`herald`: HERALD's algorithm (../shared/papers/herald.txt §IV-A, IV-B2) on the engine: a block's later steps and
+its next block read a selection made once per block, the next block's selection prepared while this block denoises.
+
+Per row and block n (the first `dense_layers` layers always read the whole prefix):
+
+* the request's first block, or a block whose selection was not prepared: `mage`'s select step (its first step
+  reads the full prefix and counts the block's [MASK] queries' attention mass; the selection follows);
+* step 0 (phase "decode") with threshold acceptance; the draft = the argmax at every masked position of its logits;
+* step 1 (phase "draft"): one 2B-token forward, the block and its draft as two query groups that both see the
+  selection and not each other; the draft's K/V is written at the block's positions (copied out by the host hook)
+  and the block's tokens are decided from the block group alone, so the draft never changes a token;
+* the retrieval for block n+1 (host hook after step 1, `lookahead: draft`): one forward of the representative query,
+  the [MASK] at block n+1's centre (`query: block`: all its B [MASK] queries), over the full prefix with block n's
+  positions read from the draft's K/V; in every selecting layer and KV head the ceil(budget x prefix) positions before
+  block n with the largest mass from that query are gathered into the row's idle region;
+* the remaining steps; the forward that sees block n final writes its K/V; at the boundary (host hook) block n's
+  exact K/V is appended to the idle region and the row reads that region from then on (the pools swap).
+
+`lookahead: none` makes the retrieval at the boundary instead, with the completed block n in place of the draft (no
+draft step): HERALD without its lookahead. With budget 1.0 every prefix position is selected, in order: the tokens are
+dense `threshold`'s, with or without lookahead.
+
+Here the full cache stays on the device and the retrieval runs on the main stream between steps (exact, and what the
+CPU tests check). HERALD's system form (the full pool in pinned host memory, the representative query's attention
+and top-k through ext/ on the CPU, the retrieval on its own stream overlapping the main steps) changes where this
+work runs, not what it selects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, BlockCausal, QueryGroups
+from compiledllm.kv.sparse import SparseLayout
+from compiledllm.kv.store import DeviceKV
+from compiledllm.policies.base import confidence, logits_view
+from compiledllm.policies.mage import MageConfig, MagePolicy
+from compiledllm.policies.plan import Forward, route_groups
+
+
+@dataclass(frozen=True)
+class HeraldConfig(MageConfig):
+    query: Literal["center", "block"] = "center"    # the retrieval's queries: the centre [MASK], or all B of them
+    lookahead: Literal["draft", "none"] = "draft"   # retrieve during block n with its draft, or after it ends
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query not in ("center", "block"):
+            raise ValueError(f"query: must be center or block, got {self.query!r}")
+        if self.lookahead not in ("draft", "none"):
+            raise ValueError(f"lookahead: must be draft or none, got {self.lookahead!r}")
+
+
+class HeraldPolicy(MagePolicy):
+    name = "herald"
+    config: HeraldConfig
+    phases = ("decode", "select", "draft")
+    row_phases = phases
+
+    @property
+    def lookahead(self) -> bool:
+        return self.config.lookahead == "draft"
+
+    def kv_layout(self, model, slots, capacity):
+        super().kv_layout(model, slots, capacity)  # checks dense_layers, sets the selecting layers
+        Bk = self.block_size
+        per_row = SparseLayout.budget_rows(self.config.budget, capacity, extra=Bk)
+        return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, regions=2,
+                            draft=Bk if self.lookahead else 0)
+
+    def init_state(self, batch, device):
+        draft = torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
+        return super().init_state(batch, device) | {"draft": draft}
+
+    # --- the main steps --------------------------------------------------------------------------------------------
+    def plan(self, phase, st):
+        if phase != "draft":
+            return super().plan(phase, st)
+        idx, tokens, gen = self.block_window(st)
+        B, Bk = idx.shape
+        final = ((tokens == self.mask_id) & gen).sum(1) == 0  # no MASK: this forward commits the block
+        live = st.active[:, None].expand(B, Bk)
+        group = (torch.arange(2 * Bk, device=idx.device) >= Bk).int()[None]  # [block | draft]
+        see = 1 << torch.arange(2, dtype=torch.int32, device=idx.device)
+        spec = AttentionSpec(QueryGroups(group, see), prefix_len=st.block_start)
+        write = torch.cat([torch.where(live & final[:, None], idx, -1), torch.where(live & ~final[:, None], idx, -1)], 1)
+        draft = torch.where(gen, st.policy["draft"], tokens)
+        groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, live, copy=1)], 1)
+        return Forward(torch.cat([tokens, draft], 1), idx.repeat(1, 2), spec, kv_write=write,
+                       logits_at=torch.arange(Bk, device=idx.device).expand(B, Bk),
+                       logits_rows=self.needed(tokens, gen, st.policy), route_groups=groups)
+
+    def update(self, phase, st, fwd, logits):
+        upd = super().update(phase, st, fwd, logits)
+        if phase == "draft" or not self.lookahead:
+            return upd
+        # step 0: the draft is the argmax at every masked position (its accepted ones are those tokens)
+        _, tokens = logits_view(fwd)
+        v, _ = confidence(logits, self.mask_id, fwd.logits_rows)
+        first = (st.policy["block_step"] == 0)[:, None]
+        draft = torch.where(first, torch.where(fwd.logits_rows, v, tokens), st.policy["draft"])
+        return replace(upd, state=upd.state | {"draft": draft})
+
+    def after_forward(self, phase, st, fwd, upd, kv):
+        if phase == "select":
+            self.select(st, st.active & (upd.advance > 0), kv)
+        # a retired block's row: the boundary host hook (on_blocks) swaps its pools or has it read the full prefix
+
+    # --- the host side -----------------------------------------------------------------------------------------------
+    def _rows(self, host) -> dict:
+        h = host.state
+        if "bstep" not in h:
+            n = host.st.active.shape[0]
+            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=())
+        return h
+
+    def schedule(self, step):
+        """Rows at their block's step 1 make the draft step; the others "select" when one of them begins a block
+        without a prepared selection, else "decode". (Every phase is a row phase: each comes as a PhaseRun.)"""
+        from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
+
+        h = step.state
+        drafting = tuple(s for s in step.rows if self.lookahead and h["bstep"][s] == 1)
+        rest = tuple(s for s in step.rows if s not in drafting)
+        phase = "select" if any(h["full"][s] and h["bstep"][s] == 0 for s in rest) else "decode"
+        return tuple(PhaseRun(ph, rows) for ph, rows in (("draft", drafting), (phase, rest)) if rows)
+
+    def before_step(self, host, step):
+        self._rows(host)["rows"] = step.rows
+
+    def after_step(self, host, report):
+        h = self._rows(host)
+        drafted = [s for s in h["rows"] if self.lookahead and h["bstep"][s] == 1 and report.active[s]
+                   and not report.retired[s]]
+        for s in h["rows"]:
+            h["bstep"][s] += 1
+        if drafted:  # the draft's K/V is in place: prepare the next block's selection
+            self.retrieve(host, drafted, draft=True)
+            for s in drafted:
+                h["ready"][s] = True
+
+    def on_blocks(self, host, rows):
+        h, st = self._rows(host), host.st
+        boundary = [s for s, n in zip(rows, st.steps[rows].tolist()) if n > 0]  # the others were just admitted
+        if boundary and not self.lookahead:  # retrieve now, with the completed block
+            self.retrieve(host, boundary, draft=False)
+            for s in boundary:
+                h["ready"][s] = True
+        warm = [s for s in boundary if h["ready"][s]]
+        cold = [s for s in rows if s not in warm]  # admitted, or the block ended before its draft step
+        if cold:
+            host.kv.read_full(_mask(st.active, cold), st.block_start)
+        if warm:
+            host.kv.swap(_mask(st.active, warm), st.block_start - self.block_size, self.block_size)
+        for s in rows:
+            h["bstep"][s], h["full"][s], h["ready"][s] = 0, s in cold, False
+
+    def on_move(self, host, src, dst):
+        h = self._rows(host)
+        for key in ("bstep", "full", "ready"):
+            h[key][dst] = h[key][src]
+
+    def retrieve(self, host, rows: list[int], draft: bool) -> None:
+        """The selection for the block after each row's current one (`draft`: during the current block, which the
+        draft's K/V stands in for; else at the boundary, the block that begins now), into the rows' idle regions."""
+        st, kv, Bk = host.st, host.kv, self.block_size
+        n = max(rows) + 1
+        dev = st.active.device
+        on = _mask(st.active[:n], rows)
+        target = st.block_start[:n] + (Bk if draft else 0)  # the block the selection is for
+        view = kv.rows(0, n)
+        if draft:
+            view.stage_draft(on, target - Bk)
+        q = 1 if self.config.query == "center" else Bk
+        offsets = torch.full((q,), Bk // 2, device=dev) if q == 1 else torch.arange(Bk, device=dev)
+        positions = (target[:, None] + offsets).clamp(max=kv.capacity - 1)
+        live = on[:, None].expand(n, q)
+        stats = torch.zeros(len(self.layers), n, self.kv_heads, kv.capacity + q, device=dev)
+        spec = AttentionSpec(BlockCausal(q), prefix_len=target.clamp(max=kv.capacity), stats=stats,
+                             stats_queries=live, stats_layers=self.layers)
+        mask = torch.full((n, q), self.mask_id, dtype=torch.long, device=dev)
+        fwd = Forward(mask, positions, spec, kv_write=None, logits_at=torch.zeros(n, 1, dtype=torch.long, device=dev),
+                      logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=dev),
+                      route_groups=route_groups(positions, Bk, live, copy=1))
+        host.model(fwd, kv.retrieval_rows(0, n, target - Bk if draft else None))
+        prefix = (target - Bk).clamp(min=0)
+        keep = torch.minimum(torch.ceil(target.double() * self.config.budget).long(), prefix)
+        view.select_next(on, stats, prefix, keep)
+
+
+def _mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[len(like)] bool, True at `rows`."""
+    out = torch.zeros_like(like, dtype=torch.bool)
+    out[rows] = True
+    return out

@@ -1,0 +1,114 @@
+"""`herald` (compiledllm/policies/herald.py): HERALD's algorithm — the next block's selection prepared during the
+current block by a representative query over the prefix with the block's draft in place (or after the block, without
+lookahead), the exact block appended at the boundary, MAGE's selection where nothing was prepared.
+
+Its tokens are those of a literal float64 loop written from the description (literal_selection.py), for each
+lookahead and query form; budget 1.0 gives dense `threshold`'s tokens and forward counts (the draft never changes a
+token); batched == alone with admissions and compaction; compiled == eager; captured == eager on a GPU."""
+from __future__ import annotations
+
+import literal_selection
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig
+from compiledllm.errors import UserError
+
+BLOCK = 4
+DENSE = {"name": "threshold", "block_size": BLOCK, "threshold": 0.5}
+LENGTHS = [3, 9, 14, 6, 11]
+FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
+         {"lookahead": "none", "query": "center"}]
+
+
+def prompts(vocab: int, lengths=LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["llada2", "sdar"])
+def ckpt(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, 31, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return compiledllm.load_model(ckpt)
+
+
+def run(model, policy, batch, ps, new=16, **kw):
+    cfg = EngineConfig(policy, max_new_tokens=new, batch_size=batch, max_seq_len=32, prefill_chunk=8, ignore_eos=True,
+                       **kw)
+    return Engine(model, cfg).generate(ps)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}")
+def test_herald_equals_a_literal_loop(ckpt, model, form):
+    ps = prompts(model.config.vocab_size)
+    policy = DENSE | {"name": "herald", "budget": 0.3} | form
+    got = run(model, policy, 3, ps)
+    for p, r in zip(ps, got):
+        want = literal_selection.literal(ckpt, p, block=BLOCK, threshold=DENSE["threshold"], new=16, budget=0.3,
+                                         policy="herald", **form)
+        assert r.output_ids == want, p
+    mage = run(model, DENSE | {"name": "mage", "budget": 0.3}, 3, ps)
+    assert [r.output_ids for r in got] != [r.output_ids for r in mage], "the prepared selections changed nothing"
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}")
+def test_whole_budget_is_dense_threshold(model, form):
+    ps = prompts(model.config.vocab_size)
+    dense = [(r.output_ids, r.steps) for r in run(model, DENSE, 3, ps)]
+    for batch in (1, 3):
+        got = run(model, DENSE | {"name": "herald", "budget": 1.0} | form, batch, ps)
+        assert [(r.output_ids, r.steps) for r in got] == dense
+
+
+def test_batched_equals_alone(model):
+    ps = prompts(model.config.vocab_size)
+    policy = DENSE | {"name": "herald", "budget": 0.3}
+    batched = [r.output_ids for r in run(model, policy, 2, ps)]
+    assert batched == [run(model, policy, 1, [p])[0].output_ids for p in ps]
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"query": "middle"}, "query"),
+    ({"lookahead": "later"}, "lookahead"),
+    ({"budget": 0.0}, r"budget: must be within \(0, 1\]"),
+])
+def test_bad_settings_are_one_line_errors(params, message):
+    from compiledllm.policies import policy_config
+
+    with pytest.raises(UserError, match=message):
+        policy_config({"name": "herald"} | params)
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager(model, compile_kw):
+    ps = prompts(model.config.vocab_size)[:4]
+    policy = DENSE | {"name": "herald", "budget": 0.3}
+    kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
+    eager = [r.output_ids for r in Engine(model, EngineConfig(policy, compile=False, **kw)).generate(ps)]
+    assert [r.output_ids for r in Engine(model, EngineConfig(policy, compile=True, **kw)).generate(ps)] == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_captured_equals_eager_on_the_gpu(tmp_path, budget):
+    """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
+    retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold."""
+    ckpt = write_checkpoint(tmp_path / "m", "llada2", 32, head_dim=64, num_hidden_layers=4)
+    dtype = torch.float32 if budget == 1.0 else torch.bfloat16
+    m = compiledllm.load_model(ckpt, device="cuda", dtype=dtype)
+    ps = prompts(m.config.vocab_size, [5, 19, 30, 12, 40])
+    policy = DENSE | {"name": "herald", "budget": budget}
+    kw = dict(max_new_tokens=16, batch_size=4, max_seq_len=64, prefill_chunk=16, ignore_eos=True)
+    out = lambda pol, graphs: [r.output_ids for r in Engine(m, EngineConfig(pol, cuda_graphs=graphs, **kw))  # noqa: E731
+                               .generate(ps)]
+    eager = out(policy, False)
+    assert out(policy, True) == eager
+    if budget == 1.0:
+        assert out(DENSE, True) == eager
