@@ -165,29 +165,39 @@ class HeraldPolicy(MagePolicy):
     def retrieve(self, host, rows: list[int], draft: bool) -> None:
         """The selection for the block after each row's current one (`draft`: during the current block, which the
         draft's K/V stands in for; else at the boundary, the block that begins now), into the rows' idle regions."""
-        st, kv, Bk = host.st, host.kv, self.block_size
+        st, Bk = host.st, self.block_size
         n = max(rows) + 1
-        dev = st.active.device
         on = _mask(st.active[:n], rows)
         target = st.block_start[:n] + (Bk if draft else 0)  # the block the selection is for
-        view = kv.rows(0, n)
+        view = host.kv.rows(0, n)
         if draft:
             view.stage_draft(on, target - Bk)
-        q = 1 if self.config.query == "center" else Bk
+        stats = self.representative_mass(host, on, target, target, draft, self.config.query)
+        prefix = (target - Bk).clamp(min=0)
+        keep = torch.minimum(torch.ceil(target.double() * self.config.budget).long(), prefix)
+        view.select_next(on, stats, prefix, keep)
+
+    def representative_mass(self, host, on: torch.Tensor, target: torch.Tensor, context: torch.Tensor, draft: bool,
+                            query: str) -> torch.Tensor:
+        """[L, n, KVH, capacity + q] the mass every key gets, in each selecting layer and KV head, from the [MASK]
+        queries of the blocks at `target` [n] (query "center": its centre one; "block": all) of the rows where `on`
+        [n] is True, which see the keys [0, context) ([n]; with `draft`, the block before `target` read from the
+        draft region) and themselves: one forward, writing nothing."""
+        kv, Bk, n = host.kv, self.block_size, on.shape[0]
+        dev = on.device
+        q = 1 if query == "center" else Bk
         offsets = torch.full((q,), Bk // 2, device=dev) if q == 1 else torch.arange(Bk, device=dev)
         positions = (target[:, None] + offsets).clamp(max=kv.capacity - 1)
         live = on[:, None].expand(n, q)
         stats = torch.zeros(len(self.layers), n, self.kv_heads, kv.capacity + q, device=dev)
-        spec = AttentionSpec(BlockCausal(q), prefix_len=target.clamp(max=kv.capacity), stats=stats,
+        spec = AttentionSpec(BlockCausal(q), prefix_len=context.clamp(max=kv.capacity), stats=stats,
                              stats_queries=live, stats_layers=self.layers)
         mask = torch.full((n, q), self.mask_id, dtype=torch.long, device=dev)
         fwd = Forward(mask, positions, spec, kv_write=None, logits_at=torch.zeros(n, 1, dtype=torch.long, device=dev),
                       logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=dev),
                       route_groups=route_groups(positions, Bk, live, copy=1))
-        host.model(fwd, kv.retrieval_rows(0, n, target - Bk if draft else None))
-        prefix = (target - Bk).clamp(min=0)
-        keep = torch.minimum(torch.ceil(target.double() * self.config.budget).long(), prefix)
-        view.select_next(on, stats, prefix, keep)
+        host.model(fwd, host.kv.retrieval_rows(0, n, target - Bk if draft else None))
+        return stats
 
 
 def _mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -112,3 +112,30 @@ def test_captured_equals_eager_on_the_gpu(tmp_path, budget):
     assert out(policy, True) == eager
     if budget == 1.0:
         assert out(DENSE, True) == eager
+
+
+def test_selection_recall_tool_counts_every_method(tmp_path, monkeypatch, capsys):
+    """tools/bench/selection_recall.py: at budget 1.0 every selection holds the whole prefix (recall 1 exactly); at
+    a partial budget the recalls are shares in (0, 1], counted for every method."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
+    import selection_recall
+
+    ckpt = write_checkpoint(tmp_path / "m", "llada2", 33, num_hidden_layers=4)
+    task = tmp_path / "t.jsonl"
+    ps = prompts(96, [70, 90])
+    task.write_text("".join(json.dumps({"prompt_ids": p, "reference_ids": [5]}) + "\n" for p in ps))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--model", str(ckpt), "--task", str(task), "--new", "96", "--batch", "2",
+                                      "--budgets", "0.1,1.0", "--out", str(out)])
+    selection_recall.main()
+    report = json.loads(out.read_text())
+    assert set(report["recall"]) == set(selection_recall.METHODS)
+    for method, recall in report["recall"].items():
+        assert report["samples"][method] > 0, method
+        assert recall["1.0"] == 1.0, method
+        assert 0.0 < recall["0.1"] <= 1.0, method
+    assert "recall vs the per-step oracle" in capsys.readouterr().out

@@ -1,0 +1,222 @@
+"""Selection recall of MAGE and HERALD against the per-step oracle (HERALD's Fig. 7 and 9, for this engine's models).
+
+Decodes the prompts densely (`threshold`, exact) and, at every step of every block after a request's first, compares
+what each selection would let the block read with the oracle of that step: per selecting layer and KV head, the
+ceil(budget x prefix) prefix positions with the largest attention mass from the step's [MASK] queries. Recall = the
+share of the oracle's positions the selection holds, averaged over (step, layer, KV head). Selections:
+
+* mage: the block's own first step (its B [MASK] queries over the full prefix), ceil(budget x prefix) positions;
+* herald-draft / herald-draft-block: HERALD's retrieval during the previous block (the centre [MASK], or all B) over
+  the prefix with the previous block's draft in place, min(ceil(budget x prefix), prefix - B) positions before the
+  previous block, plus that whole block;
+* herald-omitted: the same centre query with the previous block hidden (no draft);
+* herald-completed: the same centre query after the previous block is final (HERALD without lookahead).
+
+One dense run serves every budget (selections of different budgets are prefixes of one ranking).
+
+    python tools/bench/selection_recall.py [--model tiny-llada2.1] [--task compiledllm/assets/tasks/retrieval_2k.jsonl]
+        [--limit 8] [--new 96] [--budgets 0.01,0.025,0.05,0.1,0.2] [--device cpu] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import compiledllm  # noqa: E402
+from compiledllm.engine import Engine, EngineConfig  # noqa: E402
+from compiledllm.evaluate import load_tasks  # noqa: E402
+from compiledllm.policies import register_policy  # noqa: E402
+from compiledllm.policies.herald import HeraldConfig, HeraldPolicy, _mask  # noqa: E402
+
+METHODS = ("mage", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed")
+
+
+@dataclass(frozen=True)
+class ProbeConfig(HeraldConfig):
+    budget: float = 1.0  # decode exactly: every selection holds the whole prefix
+
+
+class ProbePolicy(HeraldPolicy):
+    """`herald` at budget 1.0 (dense tokens) that counts, at every step, the [MASK] queries' mass per selecting layer
+    and KV head (the oracle), and ranks the prefix by each selection method on the way."""
+
+    name = "selection_probe"
+    budgets: tuple[float, ...] = ()
+    totals: dict = {}
+
+    def capacity_state(self, batch, capacity, device):
+        # wide enough for the draft step's 2B queries too
+        mass = torch.zeros(batch, len(self.layers), self.kv_heads, capacity + 2 * self.block_size, device=device)
+        return {"mass": mass, "probe": torch.zeros_like(mass)}
+
+    def plan(self, phase, st):
+        fwd = super().plan(phase, st)
+        idx, tokens, _ = self.block_window(st)
+        queries = (tokens == self.mask_id) & st.active[:, None]
+        if phase == "draft":
+            queries = torch.cat([queries, torch.zeros_like(queries)], 1)
+        width = st.policy["mass"].shape[-1] - 2 * self.block_size + fwd.tokens.shape[1]
+        stats = replace(fwd.attention, stats=st.policy["mass"][..., :width].transpose(0, 1), stats_queries=queries,
+                        stats_layers=self.layers)
+        return replace(fwd, attention=stats)
+
+    def after_forward(self, phase, st, fwd, upd, kv):
+        st.policy["probe"].add_(st.policy["mass"])
+        super().after_forward(phase, st, fwd, upd, kv)
+        st.policy["mass"].zero_()
+
+    # --- the rankings --------------------------------------------------------------------------------------------
+    def retrieve(self, host, rows, draft):
+        super().retrieve(host, rows, draft)  # stages the draft; prepares the (whole) next pool
+        st, Bk = host.st, self.block_size
+        n = max(rows) + 1
+        on = _mask(st.active[:n], rows)
+        target = st.block_start[:n] + Bk
+        ranks = {"herald-draft": self.representative_mass(host, on, target, target, True, "center"),
+                 "herald-draft-block": self.representative_mass(host, on, target, target, True, "block"),
+                 "herald-omitted": self.representative_mass(host, on, target, target - Bk, False, "center")}
+        self._keep(host, rows, target, ranks)
+
+    def on_blocks(self, host, rows):
+        st, Bk = host.st, self.block_size
+        boundary = [s for s, n in zip(rows, st.steps[rows].tolist()) if n > 0]
+        herald = host.state.setdefault("herald_rank", {})
+        for key in [key for key in herald if key[0] in rows and key[0] not in boundary]:  # a new request's slot
+            del herald[key]
+        if boundary:
+            n = max(boundary) + 1
+            target = st.block_start[:n]
+            mass = self.representative_mass(host, _mask(st.active[:n], boundary), target, target, False, "center")
+            self._keep(host, boundary, target, {"herald-completed": mass})
+        super().on_blocks(host, rows)
+
+    def on_move(self, host, src, dst):
+        super().on_move(host, src, dst)
+        herald = host.state.get("herald_rank", {})
+        for key in [key for key in herald if key[0] in (src, dst)]:
+            ranks = herald.pop(key)
+            if key[0] == src:
+                herald[dst, key[1]] = ranks
+        if src in host.state.get("mage_rank", {}):
+            host.state["mage_rank"][dst] = host.state["mage_rank"].pop(src)
+
+    def _keep(self, host, rows, target, ranks) -> None:
+        """Per row: the ranking of [0, target - B) by each method's mass, for the block at target."""
+        for s in rows:
+            t = int(target[s])
+            keep = host.state.setdefault("herald_rank", {}).setdefault((s, t), {})
+            for name, mass in ranks.items():
+                keep[name] = _order(mass[:, s, :, : t - self.block_size])
+
+    def after_step(self, host, report):
+        st, h = host.st, self._rows(host)
+        probe = st.policy["probe"]
+        starts = st.block_start.tolist()
+        for s in h["rows"]:
+            start = starts[s] - self.block_size * report.retired[s]  # the block this step decoded
+            mass = probe[s, :, :, :start]
+            if float(probe[s].sum()) == 0.0 or start == 0:  # no [MASK] query (a commit step) or no prefix
+                continue
+            oracle = _order(mass)
+            if h["bstep"][s] == 0:  # MAGE selects with this step's mass
+                host.state.setdefault("mage_rank", {})[s] = (start, oracle)
+                continue
+            mage = host.state.get("mage_rank", {}).get(s)
+            herald = host.state.setdefault("herald_rank", {})
+            for old in [key for key in herald if key[0] == s and key[1] < start]:  # earlier blocks' (or requests')
+                del herald[old]
+            ranks = dict(herald.get((s, start), {}))
+            if mage is not None and mage[0] == start:
+                ranks["mage"] = mage[1]
+            self._score(start, oracle, ranks)
+        probe.zero_()
+        super().after_step(host, report)
+
+    def _score(self, start: int, oracle: torch.Tensor, ranks: dict) -> None:
+        B = self.block_size
+        for budget in self.budgets:
+            k = math.ceil(budget * start)
+            truth = _top_mask(oracle, k, start)
+            for name in METHODS:
+                if name not in ranks or (name != "mage" and start < 2 * B):
+                    continue
+                if name == "mage":
+                    chosen = _top_mask(ranks[name], k, start)
+                else:
+                    chosen = _top_mask(ranks[name], min(k, start - B), start)
+                    chosen[..., start - B : start] = True  # the previous block, appended whole
+                hit = (chosen & truth).sum(-1).double() / k
+                total = self.totals.setdefault((name, budget), [0.0, 0])
+                total[0] += float(hit.sum())
+                total[1] += hit.numel()
+
+
+def _order(mass: torch.Tensor) -> torch.Tensor:
+    """[L, KVH, S] mass -> positions by decreasing mass (ties: the lower position)."""
+    return torch.sort(mass.float(), dim=-1, descending=True, stable=True).indices
+
+
+def _top_mask(order: torch.Tensor, k: int, size: int) -> torch.Tensor:
+    out = torch.zeros(*order.shape[:-1], size, dtype=torch.bool)
+    out.scatter_(-1, order[..., :k].cpu(), True)
+    return out
+
+
+register_policy("selection_probe", ProbeConfig, ProbePolicy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-llada2.1")
+    ap.add_argument("--task", default="compiledllm/assets/tasks/retrieval_2k.jsonl")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--new", type=int, default=96, help="new tokens per prompt (EOS ignored: every block decodes)")
+    ap.add_argument("--budgets", default="0.01,0.025,0.05,0.1,0.2")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    ProbePolicy.budgets = tuple(float(b) for b in a.budgets.split(","))
+    ProbePolicy.totals = {}
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    model = compiledllm.load_model(a.model, device=a.device, dtype=dtype)
+    tasks = load_tasks(Path(a.task), model.tokenizer, limit=a.limit)
+    prompts = [t.prompt_ids for t in tasks]
+    policy = {"name": "selection_probe", "block_size": 32, "threshold": 0.95}
+    cfg = EngineConfig(policy, max_new_tokens=a.new, batch_size=a.batch, ignore_eos=True)
+    t0 = time.perf_counter()
+    Engine(model, cfg).generate(prompts)
+    seconds = time.perf_counter() - t0
+    recall = {m: {str(b): (ProbePolicy.totals[(m, b)][0] / ProbePolicy.totals[(m, b)][1])
+                  for b in ProbePolicy.budgets if (m, b) in ProbePolicy.totals} for m in METHODS}
+    samples = {m: next((ProbePolicy.totals[(m, b)][1] for b in ProbePolicy.budgets if (m, b) in ProbePolicy.totals), 0)
+               for m in METHODS}
+    report = {"tool": "tools/bench/selection_recall.py", "command": " ".join(sys.argv), "model": a.model,
+              "task": a.task, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+              "new_tokens": a.new, "block": 32, "threshold": 0.95, "budgets": list(ProbePolicy.budgets),
+              "recall": recall, "samples": samples, "seconds": round(seconds, 1),
+              "device": a.device if a.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    width = max(len(m) for m in METHODS)
+    print(f"recall vs the per-step oracle · {a.model} · {Path(a.task).name} x {len(prompts)} · {a.new} new tokens")
+    print(f"{'method':<{width}}  " + "  ".join(f"{b * 100:>6.1f}%" for b in ProbePolicy.budgets) + "  samples")
+    for m in METHODS:
+        cells = "  ".join(f"{recall[m][str(b)]:7.3f}" if str(b) in recall[m] else "      -"
+                          for b in ProbePolicy.budgets)
+        print(f"{m:<{width}}  {cells}  {samples[m]}")
+
+
+if __name__ == "__main__":
+    main()
