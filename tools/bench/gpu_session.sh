@@ -14,7 +14,9 @@
 # blockroute (LLaDA2.2 block routing: tests/models/test_block_routing.py's GPU tests, tools/bench/bench_block_routing.py
 # (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml),
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
-# commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K)
+# commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
+# herald (issue 27: mage / herald GPU tests, selection recall and exact match on the yardstick's 4K / 8K retrieval,
+# then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and herald at budget 5 %, same call)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -211,5 +213,21 @@ if has commit; then  # threshold's fused commit against the separate one, same c
     timeout ${COMMIT_TIMEOUT:-170} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
       --set compile=$COMPILE --set policy.commit=$c --set policy.steps=8 --prompt-len 4096 --output-len 256 --batch ${COMMIT_BATCHES:-1,8,32} \
       --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
+  done
+fi
+if has herald; then  # device-resident mage / herald: exactness on the GPU, quality, then the sparse step's speed
+  timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
+  for ctx in 4k 8k; do
+    timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
+      --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
+    timeout ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda \
+      --set model.dtype=bfloat16 --set "tasks=[../compiledllm/assets/tasks/retrieval_$ctx.jsonl]" \
+      --set output=$OUT/eval_herald_$ctx.json 2>&1 | tail -16
+  done
+  for p in threshold mage herald; do
+    timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
+      --set policy.name=$p $([ $p != threshold ] && echo --set policy.budget=0.05) --prompt-len ${HERALD_CONTEXTS:-16384,32768} \
+      --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
 fi
