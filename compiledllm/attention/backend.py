@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from compiledllm.attention import packed
 from compiledllm.attention.launch import PackedArgs
+from compiledllm.attention.reference import reference
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, layer: int) -> torch.Tensor:
@@ -22,13 +23,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, lay
                 q.shape[:2], dtype=torch.bool, device=q.device)
         src_k, src_v, length, index = _source(spec, kv_layer, k)
         args = PackedArgs(q, src_k, src_v, length, k, v, spec.rule, index)
-        out, _, mass = packed.run(args, backend=fwd.kernels.attention, mass_queries=queries,
-                                  mass_per_head=spec.stats_per_head)
+        skew = spec.skew_target(layer)
+        out, _, mass = packed.run(args, backend=fwd.kernels.attention, mass_queries=None if skew is not None
+                                  else queries, mass_per_head=spec.stats_per_head)
+        if skew is not None:
+            mass = _approximate_mass(args, skew, queries)
         if mass is not None:
             acc.add_(mass)
     if fwd.kv_write is not None and kv_layer is not None:
         kv_layer.write(fwd.kv_write, k, v)
     return out
+
+
+def _approximate_mass(a: PackedArgs, skew: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[B, KVH, S + Q] the mass of the attention whose scores use the first r coordinates of q and k rotated by skew
+    [KVH, D, r] (the same visible keys and scale)."""
+    B, Q, H, D = a.q.shape
+    KVH = skew.shape[0]
+    rot = lambda x: torch.einsum("...kd,kdr->...kr", x.float(), skew.float())  # noqa: E731  [..., KVH, r]
+    q = torch.einsum("bqkgd,kdr->bqkgr", a.q.float().view(B, Q, KVH, H // KVH, D), skew.float()).flatten(2, 3)
+    keys = a.k_cache if a.kv_index is None else a.k_cache[a.kv_index]  # the rows' keys only, not the whole pool
+    kc, kw = rot(keys), rot(a.k_win)
+    approx = PackedArgs(q, kc, kc, a.prefix_len, kw, kw, a.rule, scale=a.softmax_scale)
+    return reference(approx, mass_queries=queries, mass_per_head=True)[2]
 
 
 def _source(spec, kv_layer, k: torch.Tensor):

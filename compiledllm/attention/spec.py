@@ -29,6 +29,10 @@ accumulator of one of two shapes:
 * [L, B, KVH, S + Q]: per (layer, KV head) - MAGE / HERALD's KV budgets. The i-th layer of `stats_layers` adds
   into stats[i] (L = len(stats_layers)), or layer i when stats_layers is None (L = the model's layers); KV head g's
   mass is summed over its H / KVH query heads. Summed over its KV heads it is the [B, S + Q] figure.
+
+With `stats_skew` [L, KVH, D, r] the per-head mass is that of an approximate attention (InfiniGen's speculation):
+scores from the first r coordinates of q and k rotated by the layer's skew (softmax over the same visible keys, the
+same scale); the forward's output stays exact. Computed by the torch reference on the rotated tensors.
 """
 from __future__ import annotations
 
@@ -100,6 +104,9 @@ class AttentionSpec:
     stats: torch.Tensor | None = None
     stats_queries: torch.Tensor | None = None  # [B, Q] bool: the queries whose mass counts (None: all)
     stats_layers: tuple[int, ...] | None = None  # layers that add to stats (None: all)
+    # [L, KVH, D, r] per stats layer: the mass is instead that of an approximate attention whose scores take only the
+    # first r coordinates of q and k after this rotation (InfiniGen's partial queries and keys); per-head stats only
+    stats_skew: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rule, ExplicitMask) and self.kv_index is not None:
@@ -107,6 +114,8 @@ class AttentionSpec:
         if self.stats is not None:
             if self.stats.dim() not in (2, 4):
                 raise ValueError(f"stats must be [B, S + Q] or [L, B, KVH, S + Q], not {tuple(self.stats.shape)}")
+            if self.stats_skew is not None and not self.stats_per_head:
+                raise ValueError("stats_skew needs the per-head stats [L, B, KVH, S + Q]")
             if self.stats_per_head and self.stats_layers is not None and self.stats.shape[0] != len(self.stats_layers):
                 raise ValueError(f"per-head stats [L, B, KVH, S + Q] need L = len(stats_layers) = "
                                  f"{len(self.stats_layers)}, not {self.stats.shape[0]}")
@@ -118,6 +127,12 @@ class AttentionSpec:
 
     def wants_stats(self, layer: int) -> bool:
         return self.stats is not None and (self.stats_layers is None or layer in self.stats_layers)
+
+    def skew_target(self, layer: int) -> torch.Tensor | None:
+        """[KVH, D, r]: the rotation `layer`'s approximate mass uses (None: the exact mass)."""
+        if self.stats_skew is None or not self.wants_stats(layer):
+            return None
+        return self.stats_skew[layer if self.stats_layers is None else self.stats_layers.index(layer)]
 
     def stats_target(self, layer: int) -> torch.Tensor | None:
         """Where `layer` adds its mass: stats [B, S + Q] itself, or its slice [B, KVH, S + Q] of the per-head

@@ -61,14 +61,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x, rotary: Rotary, cos, sin, fwd, kv_layer):
+    def project(self, x, rotary: Rotary, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, hidden] -> q [B, L, H, hd], k, v [B, L, KVH, hd]: normed and rotated as the attention sees them."""
         B, L, _ = x.shape
         with phase("projections"):
             qkv = self.qkv(x)
         q, k, v = qkv.view(B, L, self.h + 2 * self.kvh, self.hd).split([self.h, self.kvh, self.kvh], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        return rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v
+
+    def forward(self, x, rotary: Rotary, cos, sin, fwd, kv_layer):
+        B, L, _ = x.shape
+        q, k, v = self.project(x, rotary, cos, sin)
         with phase("attention"):
             out = attend(q, k, v.contiguous(), fwd, kv_layer, self.index)
         with phase("projections"):

@@ -19,6 +19,7 @@ from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCa
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
 from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
 from compiledllm.policies.herald import HeraldConfig, HeraldPolicy
+from compiledllm.policies.infinigen import InfiniGenConfig, InfiniGenPolicy
 from compiledllm.policies.mage import MageConfig, MagePolicy
 from compiledllm.policies.t2t import T2TConfig, T2TPolicy
 from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
@@ -31,6 +32,7 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "fast_dllm_cache": (FastDLLMCacheConfig, FastDLLMCachePolicy),
     "mage": (MageConfig, MagePolicy),
     "herald": (HeraldConfig, HeraldPolicy),
+    "infinigen": (InfiniGenConfig, InfiniGenPolicy),
 }
 
 
