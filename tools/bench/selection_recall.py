@@ -10,7 +10,9 @@ share of the oracle's positions the selection holds, averaged over (step, layer,
   the prefix with the previous block's draft in place, min(ceil(budget x prefix), prefix - B) positions before the
   previous block, plus that whole block;
 * herald-omitted: the same centre query with the previous block hidden (no draft);
-* herald-completed: the same centre query after the previous block is final (HERALD without lookahead).
+* herald-completed: the same centre query after the previous block is final (HERALD without lookahead);
+* infinigen: the block's [MASK] queries at its first step ranked by InfiniGen's partial scores (`--partial` of the
+  head dim after the model's skew, compiledllm/policies/infinigen.py), ceil(budget x prefix) positions.
 
 One dense run serves every budget (selections of different budgets are prefixes of one ranking).
 
@@ -36,9 +38,12 @@ import compiledllm  # noqa: E402
 from compiledllm.engine import Engine, EngineConfig  # noqa: E402
 from compiledllm.evaluate import load_tasks  # noqa: E402
 from compiledllm.policies import register_policy  # noqa: E402
+from compiledllm.attention.spec import AttentionSpec, BlockCausal  # noqa: E402
 from compiledllm.policies.herald import HeraldConfig, HeraldPolicy, _mask  # noqa: E402
+from compiledllm.policies.infinigen import skew  # noqa: E402
+from compiledllm.policies.plan import Forward, route_groups  # noqa: E402
 
-METHODS = ("mage", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed")
+METHODS = ("mage", "infinigen", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,14 @@ class ProbePolicy(HeraldPolicy):
 
     name = "selection_probe"
     budgets: tuple[float, ...] = ()
+    partial: float = 0.3
     totals: dict = {}
+
+    def kv_layout(self, model, slots, capacity):
+        layout = super().kv_layout(model, slots, capacity)
+        r = math.ceil(self.partial * model.config.head_dim)
+        self.skew = skew(model, self.layers, 512)[..., :r].contiguous().to(model.device)
+        return layout
 
     def capacity_state(self, batch, capacity, device):
         # wide enough for the draft step's 2B queries too
@@ -93,6 +105,7 @@ class ProbePolicy(HeraldPolicy):
         herald = host.state.setdefault("herald_rank", {})
         for key in [key for key in herald if key[0] in rows and key[0] not in boundary]:  # a new request's slot
             del herald[key]
+        self._infinigen(host, rows)
         if boundary:
             n = max(boundary) + 1
             target = st.block_start[:n]
@@ -107,8 +120,29 @@ class ProbePolicy(HeraldPolicy):
             ranks = herald.pop(key)
             if key[0] == src:
                 herald[dst, key[1]] = ranks
-        if src in host.state.get("mage_rank", {}):
-            host.state["mage_rank"][dst] = host.state["mage_rank"].pop(src)
+        for key in ("mage_rank", "infinigen_rank"):
+            if src in host.state.get(key, {}):
+                host.state[key][dst] = host.state[key].pop(src)
+
+    def _infinigen(self, host, rows) -> None:
+        """The blocks beginning now, ranked as InfiniGen's speculation ranks them at their first step."""
+        st, Bk = host.st, self.block_size
+        n = max(rows) + 1
+        on = _mask(st.active[:n], rows)
+        idx = st.block_start[:n, None] + torch.arange(Bk, device=on.device)
+        tokens = st.seq[:n].gather(1, idx.clamp(max=st.seq.shape[1] - 1))
+        queries = (tokens == self.mask_id) & on[:, None]
+        stats = torch.zeros(len(self.layers), n, self.kv_heads, host.kv.capacity + Bk, device=on.device)
+        spec = AttentionSpec(BlockCausal(Bk), prefix_len=st.block_start[:n], stats=stats, stats_queries=queries,
+                             stats_layers=self.layers, stats_skew=self.skew)
+        fwd = Forward(tokens, idx.clamp(max=host.kv.capacity - 1), spec, kv_write=None,
+                      logits_at=torch.zeros(n, 1, dtype=torch.long, device=on.device),
+                      logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=on.device),
+                      route_groups=route_groups(idx, Bk, on[:, None].expand(n, Bk)))
+        host.model(fwd, host.kv.retrieval_rows(0, n, None))
+        starts = st.block_start[:n].tolist()
+        for s in rows:
+            host.state.setdefault("infinigen_rank", {})[s] = (starts[s], _order(stats[:, s, :, : starts[s]]))
 
     def _keep(self, host, rows, target, ranks) -> None:
         """Per row: the ranking of [0, target - B) by each method's mass, for the block at target."""
@@ -138,6 +172,9 @@ class ProbePolicy(HeraldPolicy):
             ranks = dict(herald.get((s, start), {}))
             if mage is not None and mage[0] == start:
                 ranks["mage"] = mage[1]
+            infinigen = host.state.get("infinigen_rank", {}).get(s)
+            if infinigen is not None and infinigen[0] == start:
+                ranks["infinigen"] = infinigen[1]
             self._score(start, oracle, ranks)
         probe.zero_()
         super().after_step(host, report)
@@ -148,9 +185,9 @@ class ProbePolicy(HeraldPolicy):
             k = math.ceil(budget * start)
             truth = _top_mask(oracle, k, start)
             for name in METHODS:
-                if name not in ranks or (name != "mage" and start < 2 * B):
+                if name not in ranks or (name.startswith("herald") and start < 2 * B):
                     continue
-                if name == "mage":
+                if not name.startswith("herald"):
                     chosen = _top_mask(ranks[name], k, start)
                 else:
                     chosen = _top_mask(ranks[name], min(k, start - B), start)
@@ -183,11 +220,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96, help="new tokens per prompt (EOS ignored: every block decodes)")
     ap.add_argument("--budgets", default="0.01,0.025,0.05,0.1,0.2")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--partial", type=float, default=0.3, help="infinigen's share of the head dim")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads, pinned (default: torch's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads or torch.get_num_threads())  # pinned: the engine then keeps it for the run
     ProbePolicy.budgets = tuple(float(b) for b in a.budgets.split(","))
-    ProbePolicy.totals = {}
+    ProbePolicy.totals, ProbePolicy.partial = {}, a.partial
     dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
     model = compiledllm.load_model(a.model, device=a.device, dtype=dtype)
     tasks = load_tasks(Path(a.task), model.tokenizer, limit=a.limit)
@@ -203,9 +243,10 @@ def main() -> None:
                for m in METHODS}
     report = {"tool": "tools/bench/selection_recall.py", "command": " ".join(sys.argv), "model": a.model,
               "task": a.task, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-              "new_tokens": a.new, "block": 32, "threshold": 0.95, "budgets": list(ProbePolicy.budgets),
+              "new_tokens": a.new, "block": 32, "infinigen_partial": a.partial, "threshold": 0.95, "budgets": list(ProbePolicy.budgets),
               "recall": recall, "samples": samples, "seconds": round(seconds, 1),
-              "device": a.device if a.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+              "device": a.device if a.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
+              f"{torch.get_num_threads()} threads)",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
