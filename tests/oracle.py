@@ -95,7 +95,8 @@ def visibility(L: int, block_size: int | None) -> torch.Tensor:
 
 def attention(q, k, v, vis, probs: list | None = None):
     """q [B,H,L,hd], k/v [B,KVH,L,hd] (GQA: q head h uses kv head h // (H/KVH)); vis [L, L] or per KV head
-    [KVH, L, L]; `probs` collects the softmax [B, H, L, L]."""
+    [KVH, L, L]; `probs` collects the softmax [B, H, L, L] (and, in its `qk` list if it has one, the rotated q and
+    the per-query-head k [B, H, L, hd])."""
     H, KVH, hd = q.shape[1], k.shape[1], q.shape[-1]
     rep = H // KVH
     k = k.repeat_interleave(rep, dim=1)
@@ -107,6 +108,7 @@ def attention(q, k, v, vis, probs: list | None = None):
     p = torch.softmax(s, dim=-1)
     if probs is not None:
         probs.append(p)
+        getattr(probs, "qk", []).append((q, k))
     return p @ v
 
 

@@ -107,6 +107,10 @@ class AttentionSpec:
     # [L, KVH, D, r] per stats layer: the mass is instead that of an approximate attention whose scores take only the
     # first r coordinates of q and k after this rotation (InfiniGen's partial queries and keys); per-head stats only
     stats_skew: torch.Tensor | None = None
+    # [L, B, H, D] per stats layer: the q (normed, rotated) of query capture_at[b] ([B]) of each row is copied here
+    # (HERALD's K-only scan takes its representative query from the main forward)
+    capture: torch.Tensor | None = None
+    capture_at: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rule, ExplicitMask) and self.kv_index is not None:
@@ -127,6 +131,12 @@ class AttentionSpec:
 
     def wants_stats(self, layer: int) -> bool:
         return self.stats is not None and (self.stats_layers is None or layer in self.stats_layers)
+
+    def capture_target(self, layer: int) -> torch.Tensor | None:
+        """[B, H, D]: where `layer` copies the captured query's q (None: nothing captured)."""
+        if self.capture is None or not (self.stats_layers is None or layer in self.stats_layers):
+            return None
+        return self.capture[layer if self.stats_layers is None else self.stats_layers.index(layer)]
 
     def skew_target(self, layer: int) -> torch.Tensor | None:
         """[KVH, D, r]: the rotation `layer`'s approximate mass uses (None: the exact mass)."""

@@ -44,6 +44,9 @@ from compiledllm.policies.plan import Forward, route_groups
 class HeraldConfig(MageConfig):
     query: Literal["center", "block"] = "center"    # the retrieval's queries: the centre [MASK], or all B of them
     lookahead: Literal["draft", "none"] = "draft"   # retrieve during block n with its draft, or after it ends
+    # forward: the retrieval's own forward, layer by layer over the full prefix (HERALD); scan: the centre [MASK]
+    # rides in the draft step as a third query group and its q scores every key of each selecting layer (keys only)
+    retrieval: Literal["forward", "scan"] = "forward"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +54,11 @@ class HeraldConfig(MageConfig):
             raise ValueError(f"query: must be center or block, got {self.query!r}")
         if self.lookahead not in ("draft", "none"):
             raise ValueError(f"lookahead: must be draft or none, got {self.lookahead!r}")
+        if self.retrieval not in ("forward", "scan"):
+            raise ValueError(f"retrieval: must be forward or scan, got {self.retrieval!r}")
+        if self.retrieval == "scan" and (self.lookahead != "draft" or self.query != "center"):
+            raise ValueError("retrieval: scan takes the centre query from the draft step (lookahead: draft, query: "
+                             "center)")
 
 
 class HeraldPolicy(MagePolicy):
@@ -63,16 +71,22 @@ class HeraldPolicy(MagePolicy):
     def lookahead(self) -> bool:
         return self.config.lookahead == "draft"
 
+    @property
+    def scan(self) -> bool:
+        return self.config.retrieval == "scan"
+
     def kv_layout(self, model, slots, capacity):
         super().kv_layout(model, slots, capacity)  # checks dense_layers, sets the selecting layers
         Bk = self.block_size
         per_row = SparseLayout.budget_rows(self.config.budget, capacity, extra=Bk)
         return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, regions=2,
-                            draft=Bk if self.lookahead else 0)
+                            draft=Bk if self.lookahead and not self.scan else 0)
 
     def init_state(self, batch, device):
-        draft = torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
-        return super().init_state(batch, device) | {"draft": draft}
+        state = {"draft": torch.zeros(batch, self.block_size, dtype=torch.long, device=device)}
+        if self.scan:  # the centre query's q in each selecting layer, from the draft step
+            state["rep_q"] = torch.zeros(batch, len(self.layers), self.heads, self.head_dim, device=device)
+        return super().init_state(batch, device) | state
 
     # --- the main steps --------------------------------------------------------------------------------------------
     def plan(self, phase, st):
@@ -88,9 +102,27 @@ class HeraldPolicy(MagePolicy):
         write = torch.cat([torch.where(live & final[:, None], idx, -1), torch.where(live & ~final[:, None], idx, -1)], 1)
         draft = torch.where(gen, st.policy["draft"], tokens)
         groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, live, copy=1)], 1)
-        return Forward(torch.cat([tokens, draft], 1), idx.repeat(1, 2), spec, kv_write=write,
-                       logits_at=torch.arange(Bk, device=idx.device).expand(B, Bk),
-                       logits_rows=self.needed(tokens, gen, st.policy), route_groups=groups)
+        fwd = Forward(torch.cat([tokens, draft], 1), idx.repeat(1, 2), spec, kv_write=write,
+                      logits_at=torch.arange(Bk, device=idx.device).expand(B, Bk),
+                      logits_rows=self.needed(tokens, gen, st.policy), route_groups=groups)
+        return self.with_scan_query(fwd, st) if self.scan else fwd
+
+    def with_scan_query(self, fwd: Forward, st) -> Forward:
+        """The draft step plus the next block's centre [MASK] as a third group (it sees the draft and itself, and the
+        prefix as the block does), its q kept per selecting layer, nothing written."""
+        B, Bk = fwd.tokens.shape[0], self.block_size
+        dev = fwd.tokens.device
+        centre = (st.block_start + Bk + Bk // 2).clamp(max=st.seq.shape[1] - 1)[:, None]
+        group = torch.cat([fwd.attention.rule.group, torch.full((1, 1), 2, dtype=torch.int32, device=dev)], 1)
+        see = torch.cat([fwd.attention.rule.see, torch.full((1,), 0b110, dtype=torch.int32, device=dev)])
+        spec = AttentionSpec(QueryGroups(group, see), prefix_len=st.block_start, stats_layers=self.layers,
+                             capture=st.policy["rep_q"].transpose(0, 1),
+                             capture_at=torch.full((B,), 2 * Bk, dtype=torch.long, device=dev))
+        mask = torch.full_like(centre, self.mask_id)
+        return replace(fwd, tokens=torch.cat([fwd.tokens, mask], 1), positions=torch.cat([fwd.positions, centre], 1),
+                       attention=spec, kv_write=torch.cat([fwd.kv_write, torch.full_like(centre, -1)], 1),
+                       route_groups=torch.cat([fwd.route_groups, route_groups(centre, Bk, st.active[:, None],
+                                                                              copy=2)], 1))
 
     def update(self, phase, st, fwd, logits):
         upd = super().update(phase, st, fwd, logits)
@@ -106,7 +138,29 @@ class HeraldPolicy(MagePolicy):
     def after_forward(self, phase, st, fwd, upd, kv):
         if phase == "select":
             self.select(st, st.active & (upd.advance > 0), kv)
+        if phase == "draft" and self.scan:
+            self.scan_select(st, upd, kv)
         # a retired block's row: the boundary host hook (on_blocks) swaps its pools or has it read the full prefix
+
+    def scan_select(self, st, upd, kv) -> None:
+        """The K-only scan: in each selecting layer the centre query's q (from this draft step) against every key of
+        [0, block end), the block's being the draft's this forward wrote; the mass of the prefix before the block
+        ranks it, and the choice goes to the idle region (as the retrieval's does)."""
+        Bk = self.block_size
+        drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
+        end = st.block_start + Bk
+        keys = torch.arange(kv.capacity, device=end.device)
+        q = st.policy["rep_q"]  # [B, L, H, D]
+        B, L, H, D = q.shape
+        mass = []
+        for j, layer in enumerate(self.layers):
+            k = kv.full(kv.k[layer])[:, :-1].float()  # [B, capacity, KVH, D]
+            s = torch.einsum("bkgd,bskd->bkgs", q[:, j].view(B, self.kv_heads, H // self.kv_heads, D), k) * D ** -0.5
+            s = s.masked_fill(keys >= end[:, None, None, None], float("-inf"))
+            mass.append(torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2))  # [B, KVH, capacity]
+        prefix = st.block_start
+        keep = torch.minimum(torch.ceil(end.double() * self.config.budget).long(), prefix)
+        kv.select_next(drafted, torch.stack(mass), prefix, keep)
 
     # --- the host side -----------------------------------------------------------------------------------------------
     def _rows(self, host) -> dict:
@@ -136,8 +190,9 @@ class HeraldPolicy(MagePolicy):
                    and not report.retired[s]]
         for s in h["rows"]:
             h["bstep"][s] += 1
-        if drafted:  # the draft's K/V is in place: prepare the next block's selection
-            self.retrieve(host, drafted, draft=True)
+        if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
+            if not self.scan:
+                self.retrieve(host, drafted, draft=True)
             for s in drafted:
                 h["ready"][s] = True
 

@@ -14,7 +14,9 @@ K/V came from a forward where it saw that set.
   m's draft = the argmax at every masked position of its first forward; `none`: once block m is final, from block
   m) forwards the representative query (the centre [MASK] of block m+1, which sees the prefix and itself; `block`:
   all of block m+1's [MASK]s) over the prefix with block m (or its draft) in place, and keeps
-  min(ceil(budget x start(m+1)), start(m)) positions before block m.
+  min(ceil(budget x start(m+1)), start(m)) positions before block m. `retrieval: scan`: the centre [MASK] rides in
+  block m's second forward instead (it sees what block m's rows see of the prefix, the draft and itself), and its q
+  in each selecting layer scores every key of [0, start(m+1)) (the draft's there): the same count kept by that mass.
 """
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ import math
 import torch
 from checkpoints import MASK_ID
 from oracle import _FORWARDS, _arch, literal_decode, load_checkpoint, visibility
+
+
+class Record(list):
+    """Each layer's attention probabilities, and in `qk` its (q, per-query-head k) (oracle.attention fills both)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk: list = []
 
 
 def top_positions(probs: list[torch.Tensor], rows: list[int], prefix: int, keep: int, kvh: int, dense: int
@@ -38,11 +48,11 @@ def top_positions(probs: list[torch.Tensor], rows: list[int], prefix: int, keep:
 
 class LiteralSelection:
     def __init__(self, ckpt, block: int, budget: float, dense_layers: int, first_block: int, policy: str = "mage",
-                 lookahead: str = "draft", query: str = "center"):
+                 lookahead: str = "draft", query: str = "center", retrieval: str = "forward"):
         self.cfg, self.w = load_checkpoint(ckpt)
         self.forward = _FORWARDS[_arch(self.cfg)]
         self.B, self.budget, self.dense, self.first = block, budget, dense_layers, first_block
-        self.policy, self.lookahead, self.query = policy, lookahead, query
+        self.policy, self.lookahead, self.query, self.retrieval = policy, lookahead, query, retrieval
         self.kvh = self.cfg["num_key_value_heads"]
         self.seen: dict[int, dict[int, list[set[int]]]] = {}  # block start -> layer -> KV head -> prefix positions
         self.prepared: dict[int, dict[int, list[set[int]]]] = {}  # block start -> the retrieval's selection
@@ -61,13 +71,13 @@ class LiteralSelection:
                 for h in range(self.kvh):
                     hidden = [s for s in range(b) if s not in self.seen[b][layer][h]]
                     out[h, b : b + self.B, hidden] = False
-        for r, keys in (rows_only or {}).items():
+        for r, keys in (rows_only(layer) if callable(rows_only) else rows_only or {}).items():
             out[:, r] = False
             out[:, r, sorted(keys)] = True
         return out
 
     def run(self, ids: torch.Tensor, full_block=None, rows_only=None):
-        probs: list[torch.Tensor] = []
+        probs = Record()
         L = ids.shape[1]
         with torch.no_grad():
             logits = self.forward(self.cfg, self.w, ids, self.B, lambda i: self.vis(i, L, full_block, rows_only), probs)
@@ -93,6 +103,32 @@ class LiteralSelection:
         _, probs = self.run(ids, rows_only=rows_only)
         self.prepared[nxt] = top_positions(probs, rows, m, min(self.keep(nxt), m), self.kvh, self.dense)
 
+    def scan(self, prefix_ids: list[int], m: int) -> None:
+        """The K-only scan for block m + B during block m's second forward (`prefix_ids` [m, m + B): the draft)."""
+        nxt, B = m + self.B, self.B
+        c = nxt + B // 2
+        ids = torch.tensor([prefix_ids[:nxt] + [MASK_ID] * B])
+        probs = Record()
+        with torch.no_grad():
+            self.forward(self.cfg, self.w, ids, self.B, lambda i: self.centre_vis(i, ids.shape[1], c, m), probs)
+        keep, G = min(self.keep(nxt), m), probs[0].shape[1] // self.kvh
+        self.prepared[nxt] = {}
+        for layer in range(self.dense, len(probs)):
+            q, k = probs.qk[layer]  # [1, H, L, hd]
+            s = (q[0, :, c, None, :] * k[0, :, :nxt]).sum(-1) * q.shape[-1] ** -0.5  # [H, nxt]
+            mass = torch.softmax(s, -1).view(self.kvh, G, nxt).sum(1)[:, :m]
+            self.prepared[nxt][layer] = [set(sorted(range(m), key=lambda t: (-float(mass[h, t]), t))[:keep])
+                                         for h in range(self.kvh)]
+
+    def centre_vis(self, layer: int, L: int, c: int, m: int) -> torch.Tensor:
+        """The centre query of block m + B sees what block m's rows see of the prefix, block m (the draft), itself."""
+        out = self.vis(layer, L, None)
+        for h in range(self.kvh):
+            seen = set(range(m)) if layer < self.dense else self.seen[m][layer][h]
+            out[h, c] = False
+            out[h, c, sorted(seen | set(range(m, m + self.B)) | {c})] = True
+        return out
+
     def __call__(self, ids: torch.Tensor, block_size) -> torch.Tensor:
         L = ids.shape[1]
         s = L - self.B
@@ -115,7 +151,10 @@ class LiteralSelection:
                 lg[:, MASK_ID] = float("-inf")
                 self.draft = [int(a) if tok == MASK_ID else tok for a, tok in zip(lg.argmax(-1).tolist(), block)]
             elif t == 1 and MASK_ID in block:  # the draft step (not the block's commit): retrieve with the draft
-                self.retrieve(ids[0, :s].tolist() + self.draft, s)
+                if self.retrieval == "scan":
+                    self.scan(ids[0, :s].tolist() + self.draft, s)
+                else:
+                    self.retrieve(ids[0, :s].tolist() + self.draft, s)
         return logits
 
 

@@ -20,7 +20,7 @@ BLOCK = 4
 DENSE = {"name": "threshold", "block_size": BLOCK, "threshold": 0.5}
 LENGTHS = [3, 9, 14, 6, 11]
 FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
-         {"lookahead": "none", "query": "center"}]
+         {"lookahead": "none", "query": "center"}, {"lookahead": "draft", "query": "center", "retrieval": "scan"}]
 
 
 def prompts(vocab: int, lengths=LENGTHS) -> list[list[int]]:
@@ -44,7 +44,7 @@ def run(model, policy, batch, ps, new=16, **kw):
     return Engine(model, cfg).generate(ps)
 
 
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}")
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
 def test_herald_equals_a_literal_loop(ckpt, model, form):
     ps = prompts(model.config.vocab_size)
     policy = DENSE | {"name": "herald", "budget": 0.3} | form
@@ -57,7 +57,7 @@ def test_herald_equals_a_literal_loop(ckpt, model, form):
     assert [r.output_ids for r in got] != [r.output_ids for r in mage], "the prepared selections changed nothing"
 
 
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}")
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
 def test_whole_budget_is_dense_threshold(model, form):
     ps = prompts(model.config.vocab_size)
     dense = [(r.output_ids, r.steps) for r in run(model, DENSE, 3, ps)]
@@ -77,6 +77,7 @@ def test_batched_equals_alone(model):
     ({"query": "middle"}, "query"),
     ({"lookahead": "later"}, "lookahead"),
     ({"budget": 0.0}, r"budget: must be within \(0, 1\]"),
+    ({"retrieval": "scan", "lookahead": "none"}, "retrieval: scan takes the centre query from the draft step"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
     from compiledllm.policies import policy_config
