@@ -146,9 +146,15 @@ class HeraldPolicy(MagePolicy):
         """The K-only scan: in each selecting layer the centre query's q (from this draft step) against every key of
         [0, block end), the block's being the draft's this forward wrote; the mass of the prefix before the block
         ranks it, and the choice goes to the idle region (as the retrieval's does)."""
-        Bk = self.block_size
         drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
-        end = st.block_start + Bk
+        end = st.block_start + self.block_size
+        keep = torch.minimum(torch.ceil(end.double() * self.config.budget).long(), st.block_start)
+        kv.select_next(drafted, self.scan_mass(st, kv), st.block_start, keep)
+
+    def scan_mass(self, st, kv) -> torch.Tensor:
+        """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, block end) of the captured centre
+        query's scores, summed over each KV head's query heads."""
+        end = st.block_start + self.block_size
         keys = torch.arange(kv.capacity, device=end.device)
         q = st.policy["rep_q"]  # [B, L, H, D]
         B, L, H, D = q.shape
@@ -158,9 +164,7 @@ class HeraldPolicy(MagePolicy):
             s = torch.einsum("bkgd,bskd->bkgs", q[:, j].view(B, self.kv_heads, H // self.kv_heads, D), k) * D ** -0.5
             s = s.masked_fill(keys >= end[:, None, None, None], float("-inf"))
             mass.append(torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2))  # [B, KVH, capacity]
-        prefix = st.block_start
-        keep = torch.minimum(torch.ceil(end.double() * self.config.budget).long(), prefix)
-        kv.select_next(drafted, torch.stack(mass), prefix, keep)
+        return torch.stack(mass)
 
     # --- the host side -----------------------------------------------------------------------------------------------
     def _rows(self, host) -> dict:

@@ -11,6 +11,8 @@ share of the oracle's positions the selection holds, averaged over (step, layer,
   previous block, plus that whole block;
 * herald-omitted: the same centre query with the previous block hidden (no draft);
 * herald-completed: the same centre query after the previous block is final (HERALD without lookahead);
+* herald-scan: the centre [MASK] as a third group of the previous block's draft step, its q per layer scoring every
+  key with the draft in place (the K-only scan variant);
 * infinigen: the block's [MASK] queries at its first step ranked by InfiniGen's partial scores (`--partial` of the
   head dim after the model's skew, compiledllm/policies/infinigen.py), ceil(budget x prefix) positions.
 
@@ -43,12 +45,14 @@ from compiledllm.policies.herald import HeraldConfig, HeraldPolicy, _mask  # noq
 from compiledllm.policies.infinigen import skew  # noqa: E402
 from compiledllm.policies.plan import Forward, route_groups  # noqa: E402
 
-METHODS = ("mage", "infinigen", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed")
+METHODS = ("mage", "infinigen", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed",
+           "herald-scan")
 
 
 @dataclass(frozen=True)
 class ProbeConfig(HeraldConfig):
     budget: float = 1.0  # decode exactly: every selection holds the whole prefix
+    retrieval: str = "scan"  # the draft step carries the centre query (its scan ranks); the forwards run on top
 
 
 class ProbePolicy(HeraldPolicy):
@@ -64,20 +68,21 @@ class ProbePolicy(HeraldPolicy):
         layout = super().kv_layout(model, slots, capacity)
         r = math.ceil(self.partial * model.config.head_dim)
         self.skew = skew(model, self.layers, 512)[..., :r].contiguous().to(model.device)
-        return layout
+        return replace(layout, draft=self.block_size)  # the forward retrievals read the draft region too
 
     def capacity_state(self, batch, capacity, device):
-        # wide enough for the draft step's 2B queries too
-        mass = torch.zeros(batch, len(self.layers), self.kv_heads, capacity + 2 * self.block_size, device=device)
-        return {"mass": mass, "probe": torch.zeros_like(mass)}
+        # wide enough for the draft step's queries too (2B and the centre one)
+        mass = torch.zeros(batch, len(self.layers), self.kv_heads, capacity + 2 * self.block_size + 1, device=device)
+        scan = torch.zeros(batch, len(self.layers), self.kv_heads, capacity, device=device)
+        return {"mass": mass, "probe": torch.zeros_like(mass), "scan": scan}
 
     def plan(self, phase, st):
         fwd = super().plan(phase, st)
         idx, tokens, _ = self.block_window(st)
         queries = (tokens == self.mask_id) & st.active[:, None]
-        if phase == "draft":
-            queries = torch.cat([queries, torch.zeros_like(queries)], 1)
-        width = st.policy["mass"].shape[-1] - 2 * self.block_size + fwd.tokens.shape[1]
+        Q = fwd.tokens.shape[1]
+        queries = torch.cat([queries, queries.new_zeros(queries.shape[0], Q - queries.shape[1])], 1)
+        width = st.policy["mass"].shape[-1] - 2 * self.block_size - 1 + Q
         stats = replace(fwd.attention, stats=st.policy["mass"][..., :width].transpose(0, 1), stats_queries=queries,
                         stats_layers=self.layers)
         return replace(fwd, attention=stats)
@@ -86,17 +91,23 @@ class ProbePolicy(HeraldPolicy):
         st.policy["probe"].add_(st.policy["mass"])
         super().after_forward(phase, st, fwd, upd, kv)
         st.policy["mass"].zero_()
+        if phase == "draft":  # the scan's mass, for the host (rows outside this phase keep theirs)
+            rows = st.active[None, :, None, None]
+            scan = self.scan_mass(st, kv)
+            st.policy["scan"].copy_(torch.where(rows, scan, st.policy["scan"].transpose(0, 1)).transpose(0, 1))
 
     # --- the rankings --------------------------------------------------------------------------------------------
-    def retrieve(self, host, rows, draft):
-        super().retrieve(host, rows, draft)  # stages the draft; prepares the (whole) next pool
+    def variants(self, host, rows) -> None:
+        """After a draft step (the scan prepared the next pool already): the forward retrievals' rankings."""
         st, Bk = host.st, self.block_size
         n = max(rows) + 1
         on = _mask(st.active[:n], rows)
         target = st.block_start[:n] + Bk
+        host.kv.rows(0, n).stage_draft(on, target - Bk)
         ranks = {"herald-draft": self.representative_mass(host, on, target, target, True, "center"),
                  "herald-draft-block": self.representative_mass(host, on, target, target, True, "block"),
-                 "herald-omitted": self.representative_mass(host, on, target, target - Bk, False, "center")}
+                 "herald-omitted": self.representative_mass(host, on, target, target - Bk, False, "center"),
+                 "herald-scan": st.policy["scan"][:n].transpose(0, 1)}
         self._keep(host, rows, target, ranks)
 
     def on_blocks(self, host, rows):
@@ -177,7 +188,10 @@ class ProbePolicy(HeraldPolicy):
                 ranks["infinigen"] = infinigen[1]
             self._score(start, oracle, ranks)
         probe.zero_()
+        drafted = [s for s in h["rows"] if h["bstep"][s] == 1 and report.active[s] and not report.retired[s]]
         super().after_step(host, report)
+        if drafted:
+            self.variants(host, drafted)
 
     def _score(self, start: int, oracle: torch.Tensor, ranks: dict) -> None:
         B = self.block_size
