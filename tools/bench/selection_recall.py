@@ -226,6 +226,33 @@ def _top_mask(order: torch.Tensor, k: int, size: int) -> torch.Tensor:
 register_policy("selection_probe", ProbeConfig, ProbePolicy)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Recall against the budget, one line per method (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method, recall in report["recall"].items():
+        budgets = [float(b) for b in recall]
+        ax.plot([b * 100 for b in budgets], list(recall.values()), marker="o", label=method,
+                linestyle="--" if method.startswith("herald") else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("budget (% of the prefix per layer and KV head)")
+    ax.set_ylabel("recall vs the per-step oracle")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{report['model']} · {Path(report['task']).name} x {report['prompts']} · {report['new_tokens']} new "
+                 f"tokens · {report['device']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llada2.1")
@@ -264,6 +291,7 @@ def main() -> None:
               "date": datetime.date.today().isoformat(), "torch": torch.__version__}
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+        plot(report, Path(a.out).with_suffix(".png"))
     width = max(len(m) for m in METHODS)
     print(f"recall vs the per-step oracle · {a.model} · {Path(a.task).name} x {len(prompts)} · {a.new} new tokens")
     print(f"{'method':<{width}}  " + "  ".join(f"{b * 100:>6.1f}%" for b in ProbePolicy.budgets) + "  samples")
