@@ -99,7 +99,8 @@ class HeraldPolicy(MagePolicy):
         group = (torch.arange(2 * Bk, device=idx.device) >= Bk).int()[None]  # [block | draft]
         see = 1 << torch.arange(2, dtype=torch.int32, device=idx.device)
         spec = AttentionSpec(QueryGroups(group, see), prefix_len=st.block_start)
-        write = torch.cat([torch.where(live & final[:, None], idx, -1), torch.where(live & ~final[:, None], idx, -1)], 1)
+        commit = live & final[:, None]
+        write = torch.cat([torch.where(commit, idx, -1), torch.where(live & ~commit, idx, -1)], 1)
         draft = torch.where(gen, st.policy["draft"], tokens)
         groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, live, copy=1)], 1)
         fwd = Forward(torch.cat([tokens, draft], 1), idx.repeat(1, 2), spec, kv_write=write,
@@ -147,9 +148,7 @@ class HeraldPolicy(MagePolicy):
         [0, block end), the block's being the draft's this forward wrote; the mass of the prefix before the block
         ranks it, and the choice goes to the idle region (as the retrieval's does)."""
         drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
-        end = st.block_start + self.block_size
-        keep = torch.minimum(torch.ceil(end.double() * self.config.budget).long(), st.block_start)
-        kv.select_next(drafted, self.scan_mass(st, kv), st.block_start, keep)
+        kv.select_next(drafted, self.scan_mass(st, kv), st.block_start, self.next_keep(st.block_start))
 
     def scan_mass(self, st, kv) -> torch.Tensor:
         """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, block end) of the captured centre
@@ -233,8 +232,12 @@ class HeraldPolicy(MagePolicy):
             view.stage_draft(on, target - Bk)
         stats = self.representative_mass(host, on, target, target, draft, self.config.query)
         prefix = (target - Bk).clamp(min=0)
-        keep = torch.minimum(torch.ceil(target.double() * self.config.budget).long(), prefix)
-        view.select_next(on, stats, prefix, keep)
+        view.select_next(on, stats, prefix, self.next_keep(prefix))
+
+    def next_keep(self, prefix: torch.Tensor) -> torch.Tensor:
+        """[B] positions a prepared selection keeps before the block at `prefix` (which it appends whole): the
+        budget's share of the next block's prefix (prefix + B), at most `prefix`."""
+        return torch.minimum(torch.ceil((prefix + self.block_size).double() * self.config.budget).long(), prefix)
 
     def representative_mass(self, host, on: torch.Tensor, target: torch.Tensor, context: torch.Tensor, draft: bool,
                             query: str) -> torch.Tensor:

@@ -65,7 +65,8 @@ class MagePolicy(ThresholdPolicy):
             raise UserError(f"policy.dense_layers: {self.config.dense_layers} leaves none of the model's {n} layers "
                             "to select in")
         self.layers = tuple(range(self.config.dense_layers, n))
-        self.kv_heads, self.heads, self.head_dim = model.config.num_kv_heads, model.config.num_heads, model.config.head_dim
+        c = model.config
+        self.kv_heads, self.heads, self.head_dim = c.num_kv_heads, c.num_heads, c.head_dim
         per_row = SparseLayout.budget_rows(self.config.budget, capacity)
         return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row)
 

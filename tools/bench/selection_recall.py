@@ -244,8 +244,9 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("budget (% of the prefix per layer and KV head)")
     ax.set_ylabel("recall vs the per-step oracle")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{report['model']} · {Path(report['task']).name} x {report['prompts']} · {report['new_tokens']} new "
-                 f"tokens · {report['device']}", fontsize=9)
+    task = Path(report["task"]).name
+    ax.set_title(f"{report['model']} · {task} x {report['prompts']} · {report['new_tokens']} new tokens · "
+                 f"{report['device']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -284,7 +285,8 @@ def main() -> None:
                for m in METHODS}
     report = {"tool": "tools/bench/selection_recall.py", "command": " ".join(sys.argv), "model": a.model,
               "task": a.task, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-              "new_tokens": a.new, "block": 32, "infinigen_partial": a.partial, "threshold": 0.95, "budgets": list(ProbePolicy.budgets),
+              "new_tokens": a.new, "block": 32, "infinigen_partial": a.partial, "threshold": 0.95,
+              "budgets": list(ProbePolicy.budgets),
               "recall": recall, "samples": samples, "seconds": round(seconds, 1),
               "device": a.device if a.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads)",
