@@ -9,39 +9,21 @@ from __future__ import annotations
 
 import literal_selection
 import pytest
+import selection_cases
 import torch
 from checkpoints import write_checkpoint
+from selection_cases import BLOCK, DENSE, ckpt, model, prompts  # noqa: F401  (fixtures)
+from selection_cases import run as run_cases
 
-import compiledllm
-from compiledllm.engine import Engine, EngineConfig
 from compiledllm.errors import UserError
-
-BLOCK = 4
-DENSE = {"name": "threshold", "block_size": BLOCK, "threshold": 0.5}
-LENGTHS = [3, 9, 14, 6, 11]
-FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
-         {"lookahead": "none", "query": "center"}, {"lookahead": "draft", "query": "center", "retrieval": "scan"}]
-
-
-def prompts(vocab: int, lengths=LENGTHS) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module", params=["llada2", "sdar"])
-def ckpt(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, 31, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return compiledllm.load_model(ckpt)
 
 
 def run(model, policy, batch, ps, new=16, **kw):
-    cfg = EngineConfig(policy, max_new_tokens=new, batch_size=batch, max_seq_len=32, prefill_chunk=8, ignore_eos=True,
-                       **kw)
-    return Engine(model, cfg).generate(ps)
+    return run_cases(model, policy, batch, ps, new, **kw)
+
+
+FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
+         {"lookahead": "none", "query": "center"}, {"lookahead": "draft", "query": "center", "retrieval": "scan"}]
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
@@ -88,11 +70,7 @@ def test_bad_settings_are_one_line_errors(params, message):
 
 @pytest.mark.slow
 def test_compiled_equals_eager(model, compile_kw):
-    ps = prompts(model.config.vocab_size)[:4]
-    policy = DENSE | {"name": "herald", "budget": 0.3}
-    kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
-    eager = [r.output_ids for r in Engine(model, EngineConfig(policy, compile=False, **kw)).generate(ps)]
-    assert [r.output_ids for r in Engine(model, EngineConfig(policy, compile=True, **kw)).generate(ps)] == eager
+    selection_cases.compiled_equals_eager(model, DENSE | {"name": "herald", "budget": 0.3}, compile_kw)
 
 
 @pytest.mark.gpu
@@ -101,18 +79,7 @@ def test_compiled_equals_eager(model, compile_kw):
 def test_captured_equals_eager_on_the_gpu(tmp_path, budget):
     """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
     retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold."""
-    ckpt = write_checkpoint(tmp_path / "m", "llada2", 32, head_dim=64, num_hidden_layers=4)
-    dtype = torch.float32 if budget == 1.0 else torch.bfloat16
-    m = compiledllm.load_model(ckpt, device="cuda", dtype=dtype)
-    ps = prompts(m.config.vocab_size, [5, 19, 30, 12, 40])
-    policy = DENSE | {"name": "herald", "budget": budget}
-    kw = dict(max_new_tokens=16, batch_size=4, max_seq_len=64, prefill_chunk=16, ignore_eos=True)
-    out = lambda pol, graphs: [r.output_ids for r in Engine(m, EngineConfig(pol, cuda_graphs=graphs, **kw))  # noqa: E731
-                               .generate(ps)]
-    eager = out(policy, False)
-    assert out(policy, True) == eager
-    if budget == 1.0:
-        assert out(DENSE, True) == eager
+    selection_cases.captured_equals_eager(tmp_path, DENSE | {"name": "herald", "budget": budget})
 
 
 def test_selection_recall_tool_counts_every_method(tmp_path, monkeypatch, capsys):

@@ -6,34 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from selection_cases import DENSE, ckpt, model, prompts  # noqa: F401  (fixtures)
+from selection_cases import run as run_cases
 
-import compiledllm
 from compiledllm.attention.backend import _approximate_mass
 from compiledllm.attention.launch import PackedArgs
 from compiledllm.attention.spec import BlockCausal
-from compiledllm.engine import Engine, EngineConfig
 from compiledllm.errors import UserError
 from compiledllm.policies.infinigen import skew
 
-DENSE = {"name": "threshold", "block_size": 4, "threshold": 0.5}
-LENGTHS = [3, 9, 14, 6, 11]
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-@pytest.fixture(scope="module", params=["llada2", "sdar"])
-def model(request, tmp_path_factory):
-    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, 31,
-                                                   num_hidden_layers=4))
-
-
 def run(model, policy, batch, ps):
-    cfg = EngineConfig(policy, max_new_tokens=12, batch_size=batch, max_seq_len=32, prefill_chunk=8, ignore_eos=True)
-    return [r.output_ids for r in Engine(model, cfg).generate(ps)]
+    return [r.output_ids for r in run_cases(model, policy, batch, ps)]
 
 
 def test_skew_is_orthogonal_with_the_query_energy_first(model):

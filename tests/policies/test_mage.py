@@ -7,38 +7,14 @@ from __future__ import annotations
 
 import literal_selection
 import pytest
+import selection_cases
 import torch
 from checkpoints import write_checkpoint
+from selection_cases import BLOCK, DENSE, ckpt, model, prompts, run  # noqa: F401  (fixtures)
 
 import compiledllm
-from compiledllm.engine import Engine, EngineConfig, generate
+from compiledllm.engine import generate
 from compiledllm.errors import UserError
-
-BLOCK = 4
-DENSE = {"name": "threshold", "block_size": BLOCK, "threshold": 0.5}
-LENGTHS = [3, 9, 14, 6, 11]  # 0 to 3 prompt blocks before the first one decoded; no EOS stops a request
-
-
-def prompts(vocab: int, lengths=LENGTHS) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module", params=["llada2", "sdar"])
-def ckpt(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, 31, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return compiledllm.load_model(ckpt)
-
-
-def run(model, policy, batch, ps, new=12, **kw):
-    cfg = EngineConfig(policy, max_new_tokens=new, batch_size=batch, max_seq_len=32, prefill_chunk=8, ignore_eos=True,
-                       **kw)
-    return Engine(model, cfg).generate(ps)
-
 
 def literal(ckpt, prompt, budget, dense_layers=2, new=12):
     return literal_selection.literal(ckpt, prompt, block=BLOCK, threshold=DENSE["threshold"], new=new, budget=budget,
@@ -94,28 +70,12 @@ def test_too_many_dense_layers_and_bidirectional_models_are_refused(model, tmp_p
 
 @pytest.mark.slow
 def test_compiled_equals_eager(model, compile_kw):
-    ps = prompts(model.config.vocab_size)[:4]
-    policy = DENSE | {"name": "mage", "budget": 0.3}
-    kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
-    eager = [r.output_ids for r in Engine(model, EngineConfig(policy, compile=False, **kw)).generate(ps)]
-    assert [r.output_ids for r in Engine(model, EngineConfig(policy, compile=True, **kw)).generate(ps)] == eager
+    selection_cases.compiled_equals_eager(model, DENSE | {"name": "mage", "budget": 0.3}, compile_kw)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 def test_captured_equals_eager_on_the_gpu(tmp_path, budget):
-    """The selection (stats in the Triton kernel, the captured post-forward gather) replayed as CUDA graphs ==
-    eager (bf16); with the whole budget (float32) == dense threshold."""
-    ckpt = write_checkpoint(tmp_path / "m", "llada2", 32, head_dim=64, num_hidden_layers=4)
-    dtype = torch.float32 if budget == 1.0 else torch.bfloat16
-    m = compiledllm.load_model(ckpt, device="cuda", dtype=dtype)
-    ps = prompts(m.config.vocab_size, [5, 19, 30, 12, 40])
-    policy = DENSE | {"name": "mage", "budget": budget}
-    kw = dict(max_new_tokens=16, batch_size=4, max_seq_len=64, prefill_chunk=16, ignore_eos=True)
-    out = lambda pol, graphs: [r.output_ids for r in Engine(m, EngineConfig(pol, cuda_graphs=graphs, **kw))  # noqa: E731
-                               .generate(ps)]
-    eager = out(policy, False)
-    assert out(policy, True) == eager
-    if budget == 1.0:
-        assert out(DENSE, True) == eager
+    """The selection (stats in the Triton kernel, the captured post-forward gather) replayed as CUDA graphs."""
+    selection_cases.captured_equals_eager(tmp_path, DENSE | {"name": "mage", "budget": budget})
