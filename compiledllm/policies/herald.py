@@ -47,6 +47,9 @@ class HeraldConfig(MageConfig):
     # forward: the retrieval's own forward, layer by layer over the full prefix (HERALD); scan: the centre [MASK]
     # rides in the draft step as a third query group and its q scores every key of each selecting layer (keys only)
     retrieval: Literal["forward", "scan"] = "forward"
+    # scan: the keys it scores, as cached ("exact") or as an int8 copy with one scale per (row, layer, KV head, channel)
+    # over the scanned keys (HERALD's variant 5b: a quarter of the bytes to scan; the selected K/V stay exact)
+    scan_keys: Literal["exact", "int8"] = "exact"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,6 +59,10 @@ class HeraldConfig(MageConfig):
             raise ValueError(f"lookahead: must be draft or none, got {self.lookahead!r}")
         if self.retrieval not in ("forward", "scan"):
             raise ValueError(f"retrieval: must be forward or scan, got {self.retrieval!r}")
+        if self.scan_keys not in ("exact", "int8"):
+            raise ValueError(f"scan_keys: must be exact or int8, got {self.scan_keys!r}")
+        if self.scan_keys == "int8" and self.retrieval != "scan":
+            raise ValueError("scan_keys: int8 keys are for retrieval: scan")
         if self.retrieval == "scan" and (self.lookahead != "draft" or self.query != "center"):
             raise ValueError("retrieval: scan takes the centre query from the draft step (lookahead: draft, query: "
                              "center)")
@@ -150,9 +157,10 @@ class HeraldPolicy(MagePolicy):
         drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
         kv.select_next(drafted, self.scan_mass(st, kv), st.block_start, self.next_keep(st.block_start))
 
-    def scan_mass(self, st, kv) -> torch.Tensor:
+    def scan_mass(self, st, kv, keys_form: str | None = None) -> torch.Tensor:
         """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, block end) of the captured centre
-        query's scores, summed over each KV head's query heads."""
+        query's scores, summed over each KV head's query heads (keys_form: scan_keys, default the config's)."""
+        int8 = (keys_form or self.config.scan_keys) == "int8"
         end = st.block_start + self.block_size
         keys = torch.arange(kv.capacity, device=end.device)
         q = st.policy["rep_q"]  # [B, L, H, D]
@@ -160,6 +168,8 @@ class HeraldPolicy(MagePolicy):
         mass = []
         for j, layer in enumerate(self.layers):
             k = kv.full(kv.k[layer])[:, :-1].float()  # [B, capacity, KVH, D]
+            if int8:
+                k = int8_copy(k, keys[None, :, None, None] < end[:, None, None, None])
             s = torch.einsum("bkgd,bskd->bkgs", q[:, j].view(B, self.kv_heads, H // self.kv_heads, D), k) * D ** -0.5
             s = s.masked_fill(keys >= end[:, None, None, None], float("-inf"))
             mass.append(torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2))  # [B, KVH, capacity]
@@ -260,6 +270,13 @@ class HeraldPolicy(MagePolicy):
                       route_groups=route_groups(positions, Bk, live, copy=1))
         host.model(fwd, host.kv.retrieval_rows(0, n, target - Bk if draft else None))
         return stats
+
+
+def int8_copy(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """k [B, S, KVH, D] as an int8 copy reads back: per (row, KV head, channel) scale = max |k| over the valid
+    ([B, S, 1, 1]) keys / 127, values rounded to the nearest step."""
+    scale = (k.abs() * valid).amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    return torch.round(k / scale).clamp(-127, 127) * scale
 
 
 def _mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -24,6 +24,7 @@ def run(model, policy, batch, ps, new=16, **kw):
 
 FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
          {"lookahead": "none", "query": "center"}, {"lookahead": "draft", "query": "center", "retrieval": "scan"}]
+INT8_SCAN = {"lookahead": "draft", "query": "center", "retrieval": "scan", "scan_keys": "int8"}
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
@@ -39,7 +40,7 @@ def test_herald_equals_a_literal_loop(ckpt, model, form):
     assert [r.output_ids for r in got] != [r.output_ids for r in mage], "the prepared selections changed nothing"
 
 
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
+@pytest.mark.parametrize("form", FORMS + [INT8_SCAN], ids=lambda f: "-".join(map(str, f.values())))
 def test_whole_budget_is_dense_threshold(model, form):
     ps = prompts(model.config.vocab_size)
     dense = [(r.output_ids, r.steps) for r in run(model, DENSE, 3, ps)]
@@ -48,14 +49,31 @@ def test_whole_budget_is_dense_threshold(model, form):
         assert [(r.output_ids, r.steps) for r in got] == dense
 
 
-def test_batched_equals_alone(model):
+@pytest.mark.parametrize("form", [{}, INT8_SCAN], ids=["forward", "int8-scan"])
+def test_batched_equals_alone(model, form):
     ps = prompts(model.config.vocab_size)
-    policy = DENSE | {"name": "herald", "budget": 0.3}
+    policy = DENSE | {"name": "herald", "budget": 0.3} | form
     batched = [r.output_ids for r in run(model, policy, 2, ps)]
     assert batched == [run(model, policy, 1, [p])[0].output_ids for p in ps]
 
 
+def test_int8_copy_rounds_each_channel_to_its_own_step():
+    from compiledllm.policies.herald import int8_copy
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 6, 2, 4, generator=g) * torch.tensor([1.0, 10.0, 0.01, 3.0])
+    valid = (torch.arange(6) < torch.tensor([[4], [6]]))[..., None, None]
+    got = int8_copy(k, valid).double()
+    kd = k.double()
+    for b, n in enumerate((4, 6)):
+        step = kd[b, :n].abs().amax(0) / 127  # [KVH, D]
+        want = torch.round(kd[b] / step).clamp(-127, 127) * step
+        torch.testing.assert_close(got[b], want, atol=1e-6, rtol=1e-6)
+        assert (got[b, :n] - kd[b, :n]).abs().le(step / 2 + 1e-6).all()  # within half a step where the scale holds
+
+
 @pytest.mark.parametrize("params,message", [
+    ({"scan_keys": "int8"}, "scan_keys: int8 keys are for retrieval: scan"),
     ({"query": "middle"}, "query"),
     ({"lookahead": "later"}, "lookahead"),
     ({"budget": 0.0}, r"budget: must be within \(0, 1\]"),

@@ -12,7 +12,7 @@ share of the oracle's positions the selection holds, averaged over (step, layer,
 * herald-omitted: the same centre query with the previous block hidden (no draft);
 * herald-completed: the same centre query after the previous block is final (HERALD without lookahead);
 * herald-scan: the centre [MASK] as a third group of the previous block's draft step, its q per layer scoring every
-  key with the draft in place (the K-only scan variant);
+  key with the draft in place (the K-only scan variant); herald-scan-int8: the same against an int8 copy of the keys;
 * infinigen: the block's [MASK] queries at its first step ranked by InfiniGen's partial scores (`--partial` of the
   head dim after the model's skew, compiledllm/policies/infinigen.py), ceil(budget x prefix) positions.
 
@@ -46,7 +46,7 @@ from compiledllm.policies.infinigen import skew  # noqa: E402
 from compiledllm.policies.plan import Forward, route_groups  # noqa: E402
 
 METHODS = ("mage", "infinigen", "herald-draft", "herald-draft-block", "herald-omitted", "herald-completed",
-           "herald-scan")
+           "herald-scan", "herald-scan-int8")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ProbePolicy(HeraldPolicy):
         # wide enough for the draft step's queries too (2B and the centre one)
         mass = torch.zeros(batch, len(self.layers), self.kv_heads, capacity + 2 * self.block_size + 1, device=device)
         scan = torch.zeros(batch, len(self.layers), self.kv_heads, capacity, device=device)
-        return {"mass": mass, "probe": torch.zeros_like(mass), "scan": scan}
+        return {"mass": mass, "probe": torch.zeros_like(mass), "scan": scan, "scan_int8": torch.zeros_like(scan)}
 
     def plan(self, phase, st):
         fwd = super().plan(phase, st)
@@ -93,8 +93,9 @@ class ProbePolicy(HeraldPolicy):
         st.policy["mass"].zero_()
         if phase == "draft":  # the scan's mass, for the host (rows outside this phase keep theirs)
             rows = st.active[None, :, None, None]
-            scan = self.scan_mass(st, kv)
-            st.policy["scan"].copy_(torch.where(rows, scan, st.policy["scan"].transpose(0, 1)).transpose(0, 1))
+            for key, form in (("scan", "exact"), ("scan_int8", "int8")):
+                scan = self.scan_mass(st, kv, form)
+                st.policy[key].copy_(torch.where(rows, scan, st.policy[key].transpose(0, 1)).transpose(0, 1))
 
     # --- the rankings --------------------------------------------------------------------------------------------
     def variants(self, host, rows) -> None:
@@ -107,7 +108,8 @@ class ProbePolicy(HeraldPolicy):
         ranks = {"herald-draft": self.representative_mass(host, on, target, target, True, "center"),
                  "herald-draft-block": self.representative_mass(host, on, target, target, True, "block"),
                  "herald-omitted": self.representative_mass(host, on, target, target - Bk, False, "center"),
-                 "herald-scan": st.policy["scan"][:n].transpose(0, 1)}
+                 "herald-scan": st.policy["scan"][:n].transpose(0, 1),
+                 "herald-scan-int8": st.policy["scan_int8"][:n].transpose(0, 1)}
         self._keep(host, rows, target, ranks)
 
     def on_blocks(self, host, rows):
