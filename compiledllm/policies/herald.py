@@ -167,10 +167,11 @@ class HeraldPolicy(MagePolicy):
         B, L, H, D = q.shape
         mass = []
         for j, layer in enumerate(self.layers):
-            k = kv.full(kv.k[layer])[:, :-1].float()  # [B, capacity, KVH, D]
+            k = kv.full(kv.k[layer])[:, :-1]  # [B, capacity, KVH, D], the cache's dtype (no float32 copy of it)
             if int8:
-                k = int8_copy(k, keys[None, :, None, None] < end[:, None, None, None])
-            s = torch.einsum("bkgd,bskd->bkgs", q[:, j].view(B, self.kv_heads, H // self.kv_heads, D), k) * D ** -0.5
+                k = int8_copy(k.float(), keys[None, :, None, None] < end[:, None, None, None])
+            qj = q[:, j].view(B, self.kv_heads, H // self.kv_heads, D).to(k.dtype)
+            s = torch.einsum("bkgd,bskd->bkgs", qj, k).float() * D ** -0.5
             s = s.masked_fill(keys >= end[:, None, None, None], float("-inf"))
             mass.append(torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2))  # [B, KVH, capacity]
         return torch.stack(mass)
