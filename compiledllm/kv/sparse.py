@@ -11,6 +11,7 @@ Every layer keeps one tensor [N, KVH, D] of regions:
 * a draft region of `draft` rows per slot (HERALD's copy of the draft block's K/V, which the next block's retrieval
   reads while the main steps rewrite the block).
 
+Every layer has the same regions (the dense ones leave theirs unused: one addressing for a few percent of memory).
 Layers below dense_layers always read their full cache. A selecting layer's view reads its tensor as a pool through
 the store's own `index` [slots, capacity] and `length` [slots]: per row the full prefix (a block's first step, when
 the selection is made) or the row's selection. A forward writes its fresh K/V to the full cache only. Switching rows
