@@ -64,6 +64,7 @@ class EvalRecipe(_Strict):
     reference: int | str | None = None                          # label or index of the reference policy
     # "auto" (or null): per task file, its longest reference; a number: every file (longer references: a warning)
     max_new_tokens: Any = "auto"
+    ignore_eos: bool = False  # decode max_new_tokens for every task (room for multi-block policies to show themselves)
     batch_size: int = Field(default=16, ge=1)
     limit: int | None = Field(default=None, ge=1)               # first N tasks of each file
     tokens: Literal["ids", "text"] = "ids"
@@ -260,7 +261,7 @@ def _stopped() -> dict:
 
 def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: int | None = None,
              batch_size: int = 16, reference: int | str | None = None, compile: bool | str = False,
-             cuda_graphs: bool = True, on_policy: Callable[[str], None] | None = None,
+             cuda_graphs: bool = True, ignore_eos: bool = False, on_policy: Callable[[str], None] | None = None,
              on_result: Callable[[object], None] | None = None) -> dict:
     """Decode every task with every policy. Returns {"tasks", "max_new_tokens", "reference", "policies":
     {label: metrics}, "outputs": {label: [generated ids per task]}} (policies in the order given); on Ctrl-C raises
@@ -273,8 +274,8 @@ def evaluate(model, tasks: list[Task], policies: list[dict], *, max_new_tokens: 
     order = [ref_i] + [i for i in range(len(policies)) if i != ref_i]  # the reference decodes first
     try:
         for i in order:
-            _evaluate_policy(model, tasks, policies[i], labels[i], n_new, batch_size, compile, cuda_graphs, outputs,
-                             metrics, on_policy, on_result)
+            _evaluate_policy(model, tasks, policies[i], labels[i], n_new, batch_size, compile, cuda_graphs,
+                             ignore_eos, outputs, metrics, on_policy, on_result)
     except KeyboardInterrupt:
         raise EvalInterrupted(_report(tasks, n_new, labels, ref_i, outputs, metrics) | _stopped()) from None
     return _report(tasks, n_new, labels, ref_i, outputs, metrics)
@@ -288,8 +289,8 @@ def _report(tasks, n_new, labels, ref_i, outputs, metrics) -> dict:
             "policies": {lb: metrics[lb] for lb in done}, "outputs": {lb: outputs[lb] for lb in done}}
 
 
-def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cuda_graphs, outputs, metrics,
-                     on_policy, on_result) -> None:
+def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cuda_graphs, ignore_eos, outputs,
+                     metrics, on_policy, on_result) -> None:
     """One policy over the tasks: its outputs and metrics (agreement is added once the reference is known)."""
     from compiledllm.engine import Engine, EngineConfig
     from compiledllm.policies import record_edits
@@ -302,7 +303,7 @@ def _evaluate_policy(model, tasks, policy, label, n_new, batch_size, compile, cu
     params = {k: v for k, v in policy.items() if k != "label"}
     params = record_edits(params, n_new)  # T2T policies: drafts at the positions scored, the first n_new generated
     engine = Engine(model, EngineConfig(params, max_new_tokens=n_new, batch_size=batch_size, compile=compile,
-                                        cuda_graphs=cuda_graphs))
+                                        cuda_graphs=cuda_graphs, ignore_eos=ignore_eos))
     tracked = isinstance(engine.policy, EditRecord)
     t0 = time.perf_counter()
     results = engine.generate(prompts, on_result=on_result)
@@ -367,7 +368,7 @@ def run_eval(recipe: str | Path | dict | EvalRecipe, overrides: list[str] | None
         try:
             res = evaluate(model, tasks, rec.policies, max_new_tokens=rec.max_new_tokens, batch_size=rec.batch_size,
                            reference=rec.reference, compile=rec.compile, cuda_graphs=rec.cuda_graphs,
-                           on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")),
+                           ignore_eos=rec.ignore_eos, on_policy=None if on_progress is None else (lambda lb, f=file: on_progress(f"{f.name}: {lb}")),
                            on_result=on_result)
         except EvalInterrupted as e:
             report["files"][file.name] = _entry(path, e.report, rec.save_outputs) | lengths[file.name]

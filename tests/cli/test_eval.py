@@ -379,3 +379,15 @@ def test_eval_yardstick_recipe_loads():
     res = CliRunner().invoke(app, ["recipe", "show", str(path)])
     assert res.exit_code == 0, res.output
     assert "max_new_tokens: auto" in res.stdout
+
+
+def test_ignore_eos_decodes_every_task_to_max_new_tokens(tmp_path):
+    """tiny-llada2.1 ends a list with EOS; with ignore_eos every output runs to max_new_tokens (room for a window)."""
+    base = {"model": {"path": "tiny-llada2.1", "dtype": "float32", "device": "cpu"},
+            "tasks": [str(TASKS / "lists.jsonl")], "policies": [{"label": "t", "name": "threshold", "block_size": 32}],
+            "max_new_tokens": 64, "limit": 2, "output": str(tmp_path / "r.json")}
+    tokens = {}
+    for ignore in (False, True):
+        report = run_eval(base | {"ignore_eos": ignore})
+        tokens[ignore] = report["files"]["lists.jsonl"]["policies"]["t"]["tokens"]
+    assert tokens[True] == 2 * 64 and tokens[False] < 2 * 64
