@@ -11,14 +11,23 @@ Per row and block n (the first `dense_layers` layers always read the whole prefi
   and the block's tokens are decided from the block group alone, so the draft never changes a token;
 * the retrieval for block n+1 (host hook after step 1, `lookahead: draft`): one forward of the representative query,
   the [MASK] at block n+1's centre (`query: block`: all its B [MASK] queries), over the full prefix with block n's
-  positions read from the draft's K/V; in every selecting layer and KV head the ceil(budget x prefix) positions before
-  block n with the largest mass from that query are gathered into the row's idle region;
+  positions read from the draft's K/V; in every selecting layer and KV head the positions before block n with the
+  largest mass from that query (the keep count below) are gathered into the row's idle region;
 * the remaining steps; the forward that sees block n final writes its K/V; at the boundary (host hook) block n's
   exact K/V is appended to the idle region and the row reads that region from then on (the pools swap).
 
 `lookahead: none` makes the retrieval at the boundary instead, with the completed block n in place of the draft (no
 draft step): HERALD without its lookahead. With budget 1.0 every prefix position is selected, in order: the tokens are
 dense `threshold`'s, with or without lookahead.
+
+`retrieval: scan` (HERALD's K-only variant): the centre [MASK] rides in the draft step as a third query group (it
+sees what the block sees of the prefix, the draft and itself; nothing written); its q in each selecting layer, kept by
+the attention, scores every key of [0, block n end) in the captured post-forward hook, and that mass ranks the prefix
+as the retrieval's does: no retrieval forward. `scan_keys: int8` scores the keys as an int8 copy (one scale per row,
+layer, KV head and channel) would give them back.
+
+The keep count is min(ceil(budget x (prefix + B)), prefix): the budget's share of the next block's prefix, before
+the block appended whole (so a prepared pool holds up to B more keys than MAGE's at the same budget).
 
 Here the full cache stays on the device and the retrieval runs on the main stream between steps (exact, and what the
 CPU tests check). HERALD's system form (the full pool in pinned host memory, the representative query's attention
