@@ -44,7 +44,7 @@ import torch
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, QueryGroups
 from compiledllm.kv.sparse import SparseLayout
 from compiledllm.kv.store import DeviceKV
-from compiledllm.policies.base import confidence, logits_view
+from compiledllm.policies.base import confidence
 from compiledllm.policies.mage import MageConfig, MagePolicy
 from compiledllm.policies.plan import Forward, route_groups
 
@@ -141,16 +141,17 @@ class HeraldPolicy(MagePolicy):
                        route_groups=torch.cat([fwd.route_groups, route_groups(centre, Bk, st.active[:, None],
                                                                               copy=2)], 1))
 
-    def update(self, phase, st, fwd, logits):
-        upd = super().update(phase, st, fwd, logits)
-        if phase == "draft" or not self.lookahead:
-            return upd
-        # step 0: the draft is the argmax at every masked position (its accepted ones are those tokens)
-        _, tokens = logits_view(fwd)
-        v, _ = confidence(logits, self.mask_id, fwd.logits_rows)
-        first = (st.policy["block_step"] == 0)[:, None]
-        draft = torch.where(first, torch.where(fwd.logits_rows, v, tokens), st.policy["draft"])
-        return replace(upd, state=upd.state | {"draft": draft})
+    def decide(self, tokens, logits, gen, state, keys):
+        masked = self.needed(tokens, gen, state)
+        v, p = self.choose(logits, masked, keys)
+        new, done, out = self.accept(tokens, masked, v, p, state)
+        if not self.lookahead:
+            return new, done, out
+        # a block's first step: the draft is the argmax at every masked position (greedy: the tokens just chosen)
+        argmax = v if keys is None else confidence(logits, self.mask_id, masked)[0]
+        first = (state["block_step"] == 0)[:, None]
+        draft = torch.where(first, torch.where(masked, argmax, tokens), state["draft"])
+        return new, done, out | {"draft": draft}
 
     def after_forward(self, phase, st, fwd, upd, kv):
         if phase == "select":

@@ -124,6 +124,10 @@ class ThresholdPolicy(BlockPolicy):
     def decide(self, tokens, logits, gen, state, keys):
         masked = self.needed(tokens, gen, state)
         v, p = self.choose(logits, masked, keys)
+        return self.accept(tokens, masked, v, p, state)
+
+    def accept(self, tokens, masked, v, p, state):
+        """The rule on the chosen tokens v and their probabilities p ([B, Bk]) -> decide's result."""
         n_masked = masked.sum(1)
         k_min = torch.minimum(self.min_accept(state["block_step"]), n_masked)
         tau = state["threshold"][:, None] if "threshold" in state else self.config.threshold
