@@ -188,7 +188,7 @@ if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alon
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
   timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
     ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
-  for r in ${BLOCKROUTE_RECIPES:-bench_block48_standard bench_block48}; do
+  for r in ${BLOCKROUTE_RECIPES-bench_block48_standard bench_block48}; do
     timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
       --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep -v -i warn \
       | tee "$OUT/e2e_$r.log" | tail -8
@@ -215,19 +215,18 @@ if has commit; then  # threshold's fused commit against the separate one, same c
       --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
   done
 fi
-if has herald; then  # device-resident mage / herald: exactness on the GPU, quality, then the sparse step's speed
+if has herald; then  # device-resident mage / herald: exactness on the GPU, the sparse step's speed, then quality
   timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
-  for ctx in 4k 8k; do
-    timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
-      --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
-    timeout ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda \
-      --set model.dtype=bfloat16 --set "tasks=[../compiledllm/assets/tasks/retrieval_$ctx.jsonl]" \
-      --set output=$OUT/eval_herald_$ctx.json 2>&1 | tail -16
-  done
   for p in threshold mage herald; do
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
       --set policy.name=$p $([ $p != threshold ] && echo --set policy.budget=0.05) --prompt-len ${HERALD_CONTEXTS:-16384,32768} \
       --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
+  done
+  for ctx in ${HERALD_QUALITY:-8k 4k}; do
+    timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
+      --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
+    timeout ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda --set model.dtype=bfloat16 \
+      --set "tasks=[../compiledllm/assets/tasks/retrieval_$ctx.jsonl]" --set output=$OUT/eval_herald_$ctx.json 2>&1 | tail -16
   done
 fi

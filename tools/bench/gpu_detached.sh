@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# gpu_session.sh detached from the device call (setsid), so that its stages can outlast one 10-minute call: the first
+# call starts it, each call waits up to WAIT seconds and packs what is done so far into $OUT/results.tgz (a call
+# brings back at most 8 files). STAGES run one at a time in the order given (gpu_session.sh alone runs its own order).
+#   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
+#   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
+set -uo pipefail
+RES=/tmp/gpu_results
+OUT=${OUT:-/tmp/out}
+mkdir -p "$RES" "$OUT"
+if [ "${START:-0}" = 1 ]; then
+  rm -f "$RES/DONE"
+  setsid bash -c "for s in \$STAGES; do echo \"== stage \$s \$(date +%T)\"; OUT=$RES STAGES=\$s bash tools/bench/gpu_session.sh; done \
+    > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
+fi
+t0=$(date +%s)
+while [ ! -f "$RES/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-540}" ]; do sleep 5; done
+tar -czf "$OUT/results.tgz" -C "$RES" .
+[ -f "$RES/DONE" ] && echo "all stages done at $(cat "$RES/DONE")" || echo "still running"
+grep -v -i warn "$RES/session.log" | tail -n ${TAIL:-60}
