@@ -13,8 +13,11 @@
 //     (TDPBF16PS's order in Intel's pseudocode, so AMX can compute it).
 // Per (b, h):
 //   importance[s] = sum_r exp(score[r][s] - lse[r]),  lse[r] = log sum_s exp(score[r][s])
-//   idx  int32 [B][KVH][topk]: the topk positions of largest importance (ties: lower position
-//        first), written in ascending position order; if topk >= length, 0..length-1 then -1.
+//   idx  int32 [B][KVH][topk]: the k_b positions of largest importance (ties: lower position
+//        first) among the first rank_b, in ascending position order, then -1 up to topk; if
+//        k_b >= rank_b, 0..rank_b-1 then -1. k_b = row_topk[b] (<= topk; topk without row_topk),
+//        rank_b = rank_lengths[b] (<= lengths[b]; lengths[b] without): the positions past rank_b
+//        count in the softmax (importance, out, lse) but are never selected.
 //   out  float32 [B][KVH*G][n_q][D]: softmax(score) @ V;  lse float32 [B][KVH*G][n_q].
 // Results do not depend on the thread count, and both dispatch paths give the same idx and lse.
 #pragma once
@@ -34,7 +37,9 @@ struct SelectArgs {
   int64_t q_sb = 0, q_sh = 0, q_sn = 0;
   int64_t G = 1, n_q = 1;
   float scale = 1.f;
-  int64_t topk = 0;        // used only when idx != nullptr
+  int64_t topk = 0;        // used only when idx != nullptr: idx's row length
+  const int64_t* row_topk = nullptr;      // [B] optional: each request's k (<= topk)
+  const int64_t* rank_lengths = nullptr;  // [B] optional: positions a request ranks (<= lengths)
   int32_t* idx = nullptr;  // optional outputs
   float* out = nullptr;
   float* lse = nullptr;

@@ -59,7 +59,8 @@ T* ptr(uintptr_t x) {
 std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
                       int64_t KVH, int64_t D, uintptr_t lengths, uintptr_t q, std::array<int64_t, 3> qs, int64_t G,
                       int64_t n_q, double scale, int64_t topk, uintptr_t idx, uintptr_t out, uintptr_t lse,
-                      int threads, bool portable, int prefetch, bool prefetch_l2, int64_t score_budget) {
+                      int threads, bool portable, int prefetch, bool prefetch_l2, int64_t score_budget,
+                      uintptr_t row_topk, uintptr_t rank_lengths) {
   if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("select: head_dim must be a multiple of 32 in [32, 256]");
   if (G < 1 || n_q < 1 || G * n_q > 4096) throw std::invalid_argument("select: need G >= 1, n_q >= 1, G*n_q <= 4096");
   if (!k || !q || !lengths) throw std::invalid_argument("select: null k, q or lengths");
@@ -78,6 +79,8 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
   a.G = G, a.n_q = n_q;
   a.scale = float(scale);
   a.topk = topk;
+  a.row_topk = ptr<const int64_t>(row_topk);
+  a.rank_lengths = ptr<const int64_t>(rank_lengths);
   a.idx = ptr<int32_t>(idx);
   a.out = ptr<float>(out);
   a.lse = ptr<float>(lse);
@@ -165,7 +168,8 @@ PYBIND11_MODULE(_cpu_select, m) {
         py::arg("KVH"), py::arg("D"), py::arg("lengths"), py::arg("q"), py::arg("q_strides"), py::arg("G"),
         py::arg("n_q"), py::arg("scale"), py::arg("topk"), py::arg("idx"), py::arg("out"), py::arg("lse"),
         py::arg("threads") = 0, py::arg("portable") = false, py::arg("prefetch") = 0,
-        py::arg("prefetch_l2") = false, py::arg("score_budget") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
+        py::arg("prefetch_l2") = false, py::arg("score_budget") = 0, py::arg("row_topk") = 0,
+        py::arg("rank_lengths") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
   m.def("gather", &py_gather, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
         py::arg("KVH"), py::arg("D"), py::arg("idx"), py::arg("topk"), py::arg("dst"), py::arg("threads") = 0,
         py::arg("portable") = false, "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");

@@ -181,6 +181,8 @@ inline void merge_row(const SelectArgs& a, const Plan& p, int64_t item, int64_t 
 
 // Phase C: importance[s] = sum_r p[r][s] * (2^(m_tile - M_r) / L_r), written over row 0 of srow,
 // and its histogram. The factor is exact (a power of two times 1/L), so exact ties stay exact.
+// Positions past the item's rank length get importance 0: with ties to the lower position they rank below every
+// position before it, and k < rank of those exist, so none is selected.
 inline void importance_unit(const Plan& p, const Unit& u, float* srow, const float* ml, uint16_t* hist) {
   const Item& it = p.items[u.item];
   const int64_t R = p.R, C = it.C, T = C / kTile, n = u.end - u.start, nt = (n + kTile - 1) / kTile;
@@ -197,6 +199,7 @@ inline void importance_unit(const Plan& p, const Unit& u, float* srow, const flo
       vstore(srow + t * kTile, r ? vadd(vload(srow + t * kTile), x) : x);
     }
   }
+  for (int64_t j = std::max<int64_t>(it.rank - u.start, 0); j < n; ++j) srow[j] = 0.f;
   unit_histogram(srow, n, hist);
 }
 
@@ -240,7 +243,7 @@ inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Ar
       for (int64_t i = w.item0; i < w.item1; ++i) {
         Item& it = p.items[i];
         if (it.select)
-          item_bucket(p, it, hists + (it.first_unit - w.unit0) * kBuckets, a.topk);
+          item_bucket(p, it, hists + (it.first_unit - w.unit0) * kBuckets, it.k);
         else
           write_all_positions(a, it);
       }
@@ -251,7 +254,7 @@ inline void run_select(const SelectArgs& a, Arena& scores_a, Arena& states_a, Ar
       }
 #pragma omp for schedule(dynamic)
       for (int64_t i = w.item0; i < w.item1; ++i)
-        if (p.items[i].select) item_cutoff(p, p.items[i]);
+        if (p.items[i].select) item_cutoff(a, p, p.items[i]);
 #pragma omp for schedule(static)
       for (int64_t x = 0; x < nu; ++x) {
         const Unit& u = p.units[w.unit0 + x];

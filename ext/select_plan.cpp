@@ -41,10 +41,12 @@ Plan make_plan(const SelectArgs& a, int threads) {
       it.b = b;
       it.h = h;
       it.len = a.lengths[b];
+      it.k = a.row_topk ? a.row_topk[b] : a.topk;
+      it.rank = a.rank_lengths ? a.rank_lengths[b] : it.len;
       it.C = chunk_for(p.R, it.len);
       it.first_unit = int64_t(p.units.size());
       it.n_units = (it.len + it.C - 1) / it.C;
-      it.select = p.want_topk && a.topk > 0 && a.topk < it.len;
+      it.select = p.want_topk && it.k > 0 && it.k < it.rank;
       for (int64_t s = 0; s < it.len; s += it.C)
         p.units.push_back(Unit{int32_t(p.items.size()), s, std::min(s + it.C, it.len), 0});
       p.items.push_back(std::move(it));
@@ -109,7 +111,9 @@ void item_bucket(Plan& p, Item& it, const uint16_t* hists, int64_t k) {
   it.bnd.resize(off);
 }
 
-void item_cutoff(Plan& p, Item& it) {
+void item_cutoff(const SelectArgs& a, Plan& p, Item& it) {
+  int32_t* pad = a.idx + (it.b * a.KVH + it.h) * a.topk;
+  for (int64_t j = it.k; j < a.topk; ++j) pad[j] = -1;  // the units write [0, k)
   std::vector<Boundary> tmp(it.bnd);
   std::nth_element(tmp.begin(), tmp.begin() + (it.need - 1), tmp.end(), better);
   it.cut = tmp[it.need - 1];
@@ -125,7 +129,7 @@ void item_cutoff(Plan& p, Item& it) {
 
 void write_all_positions(const SelectArgs& a, const Item& it) {
   int32_t* out = a.idx + (it.b * a.KVH + it.h) * a.topk;
-  const int64_t n = std::min(a.topk, it.len);
+  const int64_t n = std::min(it.k, it.rank);
   for (int64_t j = 0; j < n; ++j) out[j] = int32_t(j);
   for (int64_t j = n; j < a.topk; ++j) out[j] = -1;
 }

@@ -51,8 +51,9 @@ struct Queries {  // one item's query rows, in the layouts the scoring forms rea
 
 struct Item {
   int64_t b, h, len, C;
+  int64_t k, rank;  // positions to select among the first `rank` (row_topk, rank_lengths)
   int64_t first_unit, n_units;
-  bool select;  // needs the importance ranking (0 < topk < len)
+  bool select;  // needs the importance ranking (0 < k < rank)
   int64_t bucket = 0, need = 0;
   Boundary cut{0, 0};
   std::vector<Boundary> bnd;
@@ -76,7 +77,7 @@ Plan make_plan(const SelectArgs& a, int threads);
 // Top-k steps on a unit's importance row imp[0 .. end-start).
 void unit_histogram(const float* imp, int64_t n, uint16_t* hist);
 void item_bucket(Plan& p, Item& it, const uint16_t* hists, int64_t k);  // hists of the item's units
-void item_cutoff(Plan& p, Item& it);
-void write_all_positions(const SelectArgs& a, const Item& it);  // topk >= len (or 0)
+void item_cutoff(const SelectArgs& a, Plan& p, Item& it);  // also pads idx past the item's k with -1
+void write_all_positions(const SelectArgs& a, const Item& it);  // k >= rank (or 0)
 
 }  // namespace cllm

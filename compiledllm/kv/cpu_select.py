@@ -6,14 +6,17 @@ Contract (the C++ extension compiledllm._cpu_select and cpu_select_ref.select_re
     k_cache  [B, KVH, S, D]    bf16, CPU, last dim contiguous, any other strides (a view of the
     v_cache  [B, KVH, S, D]    full pool [request][kv_head][position][head_dim] for one layer)
     lengths  [B]               valid positions per request, 0 <= lengths[b] <= S
-    topk     int               per-(request, kv head) budget k
+    topk     int               per-(request, kv head) budget k, or [B] ints: request b's own k_b (idx rows are
+                               max k_b long, -1 past k_b)
+    rank_lengths [B] optional  positions request b ranks (<= lengths[b]): the rest count in the softmax only
 
     G = Hq // KVH (1..8); query head hq reads kv head hq // G; D in {32, 64, 96, ..., 256}.
     score[r, s] = scale * (q_r . k_s) in float32 over bf16 values, rows r = (g, i) of one kv head.
     importance[s] = sum_r softmax_s(score)[r, s]  (one ranking per kv head, HERALD's s_hat)
 
-    topk_idx [B, KVH, topk] int32: positions of the topk largest importances (exact ties: lower
-             position first), ascending; when topk >= length: 0..length-1, then -1.
+    topk_idx [B, KVH, topk] int32: positions of the topk largest importances among the first
+             rank_lengths[b] (default: lengths[b]) (exact ties: lower position first), ascending;
+             when topk >= that: 0..rank-1, then -1.
     out      [B, Hq, n_q, D] float32: softmax(score) @ V, exact attention over the valid prefix.
     lse      [B, Hq, n_q] float32: log-sum-exp of the scores (-inf for an empty prefix).
 
@@ -166,19 +169,27 @@ def _check_threads(threads: int) -> None:
 
 
 def _lengths(lengths: torch.Tensor | Sequence[int], B: int, S: int) -> torch.Tensor:
-    if isinstance(lengths, torch.Tensor):
-        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
-        t = lengths.detach().to("cpu", torch.int64).reshape(-1).contiguous()
+    t = _per_request_ints("lengths", lengths, B)
+    if B and int(t.max()) > S:
+        raise ValueError(f"lengths must lie in [0, S={S}], got min {int(t.min())}, max {int(t.max())}")
+    return t
+
+
+def _per_request_ints(name: str, x: torch.Tensor | Sequence[int], B: int) -> torch.Tensor:
+    """[B] int64 >= 0 on the CPU, contiguous (what the extension reads)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        t = x.detach().to("cpu", torch.int64).reshape(-1).contiguous()
     else:
         try:
-            t = torch.tensor([int(x) for x in lengths], dtype=torch.int64)
+            t = torch.tensor([int(v) for v in x], dtype=torch.int64)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"lengths must be a tensor or a sequence of ints: {e}") from None
+            raise TypeError(f"{name} must be an int, a tensor or a sequence of ints: {e}") from None
     if t.numel() != B:
-        raise ValueError(f"lengths must have B={B} entries, got {t.numel()}")
-    if B and (int(t.min()) < 0 or int(t.max()) > S):
-        raise ValueError(f"lengths must lie in [0, S={S}], got min {int(t.min())}, max {int(t.max())}")
+        raise ValueError(f"{name} must have B={B} entries, got {t.numel()}")
+    if B and int(t.min()) < 0:
+        raise ValueError(f"{name} must lie in [0, ...), got min {int(t.min())}")
     return t
 
 
@@ -205,8 +216,9 @@ def select(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     lengths: torch.Tensor | Sequence[int],
-    topk: int | None,
+    topk: int | torch.Tensor | Sequence[int] | None,
     *,
+    rank_lengths: torch.Tensor | Sequence[int] | None = None,
     scale: float | None = None,
     want_output: bool = True,
     want_lse: bool = True,
@@ -231,8 +243,17 @@ def select(
         v_cache = _check_cache("v_cache", v_cache, tuple(k_cache.shape))
     q = _check_query(q, B, KVH, D)
     lens = _lengths(lengths, B, S)
-    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 0):
-        raise ValueError(f"topk must be an int >= 0 or None, got {topk!r}")
+    row_topk = None
+    if topk is not None and not isinstance(topk, int):  # one k per request
+        row_topk = _per_request_ints("topk", topk, B)
+        topk = int(row_topk.max()) if B else 0
+    if topk is not None and (isinstance(topk, bool) or topk < 0):
+        raise ValueError(f"topk must be an int >= 0, [B] ints >= 0 or None, got {topk!r}")
+    ranks = None
+    if rank_lengths is not None:
+        ranks = _per_request_ints("rank_lengths", rank_lengths, B)
+        if bool((ranks > lens).any()):
+            raise ValueError(f"rank_lengths must not exceed lengths, got {ranks.tolist()} > {lens.tolist()}")
     if topk is None and not want_output and not want_lse:
         raise ValueError("nothing requested: give topk, want_output=True or want_lse=True")
     scale = float(D) ** -0.5 if scale is None else float(scale)
@@ -256,6 +277,7 @@ def select(
             out.data_ptr() if out is not None else 0,
             lse.data_ptr() if lse is not None else 0,
             threads, portable, prefetch, bool(prefetch_l2), _score_budget,
+            row_topk.data_ptr() if row_topk is not None else 0, ranks.data_ptr() if ranks is not None else 0,
         )
     return SelectResult(idx, out, lse, path)
 

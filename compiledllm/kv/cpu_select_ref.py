@@ -49,14 +49,17 @@ def select_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     lengths: Sequence[int] | torch.Tensor,
-    topk: int | None,
+    topk: int | Sequence[int] | torch.Tensor | None,
     *,
+    rank_lengths: Sequence[int] | torch.Tensor | None = None,
     scale: float | None = None,
     want_output: bool = True,
 ) -> SelectResult:
     B, KVH, S, D = k_cache.shape
     Hq, n_q = q.shape[1], q.shape[2]
-    idx = torch.empty((B, KVH, topk), dtype=torch.int32) if topk is not None else None
+    ks = None if topk is None else [int(topk)] * B if isinstance(topk, int) else [int(x) for x in topk]
+    width = max(ks, default=0) if ks is not None else 0
+    idx = torch.empty((B, KVH, width), dtype=torch.int32) if ks is not None else None
     out = torch.empty((B, Hq, n_q, D)) if want_output else None
     lse = torch.empty((B, Hq, n_q))
     for b, (imp, lse_b, out_b) in enumerate(_per_request(q, k_cache, v_cache if want_output else None, lengths, scale)):
@@ -64,7 +67,8 @@ def select_ref(
         if out is not None:
             out[b] = out_b.reshape(Hq, n_q, D)
         if idx is not None:
-            idx[b] = rank_topk(imp, topk)
+            rank = imp.shape[1] if rank_lengths is None else int(rank_lengths[b])
+            idx[b] = torch.nn.functional.pad(rank_topk(imp[:, :rank], ks[b]), (0, width - ks[b]), value=-1)
     return SelectResult(idx, out, lse, "torch")
 
 

@@ -110,6 +110,29 @@ def test_long_prefix_split_and_small_waves(portable):
 
 
 @pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_per_request_k_and_rank_lengths(portable):
+    """Each request its own k, ranking only the first rank_lengths[b] positions while all lengths[b] count in the
+    softmax (HERALD's scan: the draft block normalises, the prefix is ranked): the reference's positions, -1 past
+    k_b; out and lse as without a rank length."""
+    B, KVH, S, D, G = 4, 2, 3000, 128, 4
+    q, k, v = _data(B, KVH, S, D, G, 1, seed=11)
+    lengths, ranks, ks = [3000, 2500, 64, 900], [2968, 2500, 32, 0], [150, 2600, 40, 7]
+    res = cs.select(q, k, v, lengths, torch.tensor(ks), rank_lengths=ranks, portable=portable)
+    ref = select_ref(q, k, v, lengths, ks, rank_lengths=ranks)
+    plain = cs.select(q, k, v, lengths, None, portable=portable)
+    assert res.topk_idx.shape == (B, KVH, max(ks))
+    assert torch.equal(res.lse, plain.lse) and torch.equal(res.out, plain.out)
+    imps = importance_ref(q, k, lengths)
+    for b in range(B):
+        _check_topk(res.topk_idx[b : b + 1], ref.topk_idx[b : b + 1], [imps[b][:, : ranks[b]]], [ranks[b]], ks[b])
+    assert torch.equal(res.topk_idx[1, :, :2500], torch.arange(2500, dtype=torch.int32).expand(KVH, -1))
+    assert bool((res.topk_idx[3] == -1).all())  # nothing to rank
+    _bad(ValueError, "rank_lengths must not exceed lengths", cs.select, q, k, v, lengths, 5,
+         rank_lengths=[3001, 0, 0, 0])
+    _bad(ValueError, "topk must have B=4", cs.select, q, k, v, lengths, [1, 2])
+
+
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
 def test_exact_ties_prefer_lower_positions(portable):
     g = torch.Generator().manual_seed(3)
     B, KVH, S, D = 1, 2, 700, 64
