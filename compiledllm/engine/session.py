@@ -219,8 +219,11 @@ class EngineSession:
     def _admit(self) -> set[int]:
         """Queued requests into free slots, lowest first; returns the ids of those that need no prefill."""
         ready = set()
+        admit = getattr(self.kv, "admit", None)  # a store that lends rows device memory for prefill (kv/offload.py)
         for s in range(self.slots):
             if self._owner[s] is None and self._queue:
+                if admit is not None and not admit(s):
+                    break
                 req = self._queue.popleft()
                 req.slot, req.admitted = s, self._admitted
                 self._admitted += 1
@@ -341,6 +344,8 @@ class EngineSession:
             steps, extra = int(st.steps[s]), self.policy.report(st, s)
             blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
             self._owner[s] = None
+            if hasattr(self.kv, "free"):
+                self.kv.free(s)
         text = stop = None
         if reason is None or reason == "stop":
             if self.eos in out:

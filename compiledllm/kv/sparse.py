@@ -168,17 +168,7 @@ class SparseKV:
                     dest.copy_(torch.where(take, picked, dest))
 
     def _top(self, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """[L, n, KVH, P] positions in order, padded with the capacity: per (layer, row, KV head) the keep[n] (<= P)
-        positions < prefix[n] of largest importance (ties: the lower position)."""
-        pos = torch.arange(importance.shape[-1], device=importance.device)
-        score = importance.masked_fill(pos >= prefix[None, :, None, None], float("-inf"))
-        P = min(self.per_row, importance.shape[-1])
-        top = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :P]
-        ok = torch.arange(P, device=top.device) < keep[None, :, None, None]
-        chosen = torch.sort(torch.where(ok, top, self.capacity), dim=-1).values
-        if P < self.per_row:
-            chosen = torch.cat([chosen, chosen.new_full((*chosen.shape[:-1], self.per_row - P), self.capacity)], -1)
-        return chosen
+        return top_positions(importance, prefix, keep, self.per_row, self.capacity)
 
     def select(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> None:
         """Rows where `rows` [n] is True read, from now on, in every selecting layer l and KV head h only the `keep`
@@ -243,6 +233,21 @@ class SparseKV:
             buf[dst] = buf[src]
         selected = bool((self.index[src, 0] >= s.full_rows).item()) if self.capacity else False
         self.index[dst] = (b._selection_index(self.region[dst : dst + 1]) if selected else b._full_index())[0]
+
+
+def top_positions(importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor, per_row: int, pad: int
+                  ) -> torch.Tensor:
+    """[..., n, KVH, per_row] positions in order, padded with `pad`: per (row, KV head) the keep[n] (<= per_row)
+    positions < prefix[n] of largest importance [..., n, KVH, >= prefix] (ties: the lower position)."""
+    pos = torch.arange(importance.shape[-1], device=importance.device)
+    score = importance.masked_fill(pos >= prefix[:, None, None], float("-inf"))
+    P = min(per_row, importance.shape[-1])
+    top = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :P]
+    ok = torch.arange(P, device=top.device) < keep[:, None, None]
+    chosen = torch.sort(torch.where(ok, top, pad), dim=-1).values
+    if P < per_row:
+        chosen = torch.cat([chosen, chosen.new_full((*chosen.shape[:-1], per_row - P), pad)], -1)
+    return chosen
 
 
 class FullView:

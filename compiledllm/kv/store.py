@@ -10,7 +10,9 @@ one store may keep some layers dense and others on a sparse pool (HERALD keeps l
 * `prefill_rows(start, end)`: the same as prefill chunks see it: every layer reads the whole cached prefix (a
   sparse store gives its full cache here);
 * `move(src, dst, length)`: slot src's first `length` positions to slot dst (the engine compacts live rows into
-  the low slots so the batch bucket follows them).
+  the low slots so the batch bucket follows them);
+* optional, for a store that lends rows memory while they prefill (kv/offload.py): `admit(slot)` before a request
+  takes slot `slot` (False: not now, the request waits), `free(slot)` once the slot is vacated.
 """
 from __future__ import annotations
 

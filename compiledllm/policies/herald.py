@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, QueryGroups
+from compiledllm.kv.offload import OffloadLayout
 from compiledllm.kv.sparse import SparseLayout
 from compiledllm.kv.store import DeviceKV
 from compiledllm.policies.base import confidence
@@ -59,6 +60,11 @@ class HeraldConfig(MageConfig):
     # scan: the keys it scores, as cached ("exact") or as an int8 copy with one scale per (row, layer, KV head, channel)
     # over the scanned keys (HERALD's variant 5b: a quarter of the bytes to scan; the selected K/V stay exact)
     scan_keys: Literal["exact", "int8"] = "exact"
+    # where the selecting layers' full cache lives: on the device, or in a host pool (HERALD's system form: the scan
+    # runs on the CPU over it, the selection crosses to the device once per block; kv/offload.py), with `scratch`
+    # device full caches lent to rows from admission until their first prepared selection
+    pool: Literal["device", "host"] = "device"
+    scratch: int = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +81,12 @@ class HeraldConfig(MageConfig):
         if self.retrieval == "scan" and (self.lookahead != "draft" or self.query != "center"):
             raise ValueError("retrieval: scan takes the centre query from the draft step (lookahead: draft, query: "
                              "center)")
+        if self.pool not in ("device", "host"):
+            raise ValueError(f"pool: must be device or host, got {self.pool!r}")
+        if self.pool == "host" and (self.retrieval != "scan" or self.scan_keys != "exact"):
+            raise ValueError("pool: host scans the host pool's keys on the CPU (retrieval: scan, scan_keys: exact)")
+        if self.scratch < 1:
+            raise ValueError(f"scratch: must be >= 1, got {self.scratch}")
 
 
 class HeraldPolicy(MagePolicy):
@@ -91,10 +103,17 @@ class HeraldPolicy(MagePolicy):
     def scan(self) -> bool:
         return self.config.retrieval == "scan"
 
+    @property
+    def host_pool(self) -> bool:
+        return self.config.pool == "host"
+
     def kv_layout(self, model, slots, capacity):
         super().kv_layout(model, slots, capacity)  # checks dense_layers, sets the selecting layers
         Bk = self.block_size
         per_row = SparseLayout.budget_rows(self.config.budget, capacity, extra=Bk)
+        if self.host_pool:
+            return OffloadLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, Bk,
+                                 self.config.scratch)
         return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, regions=2,
                             draft=Bk if self.lookahead and not self.scan else 0)
 
@@ -156,7 +175,7 @@ class HeraldPolicy(MagePolicy):
     def after_forward(self, phase, st, fwd, upd, kv):
         if phase == "select":
             self.select(st, st.active & (upd.advance > 0), kv)
-        if phase == "draft" and self.scan:
+        if phase == "draft" and self.scan and not self.host_pool:  # the host pool's scan: after_step, on the CPU
             self.scan_select(st, upd, kv)
         # a retired block's row: the boundary host hook (on_blocks) swaps its pools or has it read the full prefix
 
@@ -215,7 +234,13 @@ class HeraldPolicy(MagePolicy):
         for s in h["rows"]:
             h["bstep"][s] += 1
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
-            if not self.scan:
+            if self.host_pool:  # the draft's K/V to the host pool, then the scan over it
+                starts = host.st.block_start.tolist()
+                host.kv.offload_block(drafted, [starts[s] for s in drafted])
+                self.host_retrieve(host, drafted, host.st.block_start)
+                for s in drafted:  # a prepared selection: the row needs its full prefix on the device no more
+                    host.kv.release(s)
+            elif not self.scan:
                 self.retrieve(host, drafted, draft=True)
             for s in drafted:
                 h["ready"][s] = True
@@ -223,6 +248,8 @@ class HeraldPolicy(MagePolicy):
     def on_blocks(self, host, rows):
         h, st = self._rows(host), host.st
         boundary = [s for s, n in zip(rows, st.steps[rows].tolist()) if n > 0]  # the others were just admitted
+        if self.host_pool:
+            self.host_boundary(host, rows, boundary)
         if boundary and not self.lookahead:  # retrieve now, with the completed block
             self.retrieve(host, boundary, draft=False)
             for s in boundary:
@@ -235,6 +262,36 @@ class HeraldPolicy(MagePolicy):
             host.kv.swap(_mask(st.active, warm), st.block_start - self.block_size, self.block_size)
         for s in rows:
             h["bstep"][s], h["full"][s], h["ready"][s] = 0, s in cold, False
+
+    def host_boundary(self, host, rows: list[int], boundary: list[int]) -> None:
+        """The host pool's part of a block boundary: the completed block's exact K/V to the host pool; an admitted
+        row's prefix too (on the side stream); a row with no prepared selection and no scratch cache left gets one
+        now, from the centre query of its last draft step (so it swaps like a prepared row); a row that still holds
+        its scratch cache reads its full prefix again (with the block it completed)."""
+        h, st, kv, Bk = self._rows(host), host.st, host.kv, self.block_size
+        starts = st.block_start.tolist()
+        if boundary:
+            kv.offload_block(boundary, [starts[s] - Bk for s in boundary])
+        admitted = [s for s in rows if s not in boundary]
+        if admitted:
+            kv.offload_prefix(admitted, [starts[s] for s in admitted], host.side_stream)
+        unprepared = [s for s in boundary if not h["ready"][s]]
+        stale = [s for s in unprepared if not kv.holds_scratch(s)]
+        if stale:
+            self.host_retrieve(host, stale, st.block_start - Bk)
+            for s in stale:
+                h["ready"][s] = True
+        keep = [s for s in unprepared if kv.holds_scratch(s)]
+        if keep:
+            kv.rows(0, max(keep) + 1).block_to_scratch(keep, st.block_start - Bk, Bk)
+
+    def host_retrieve(self, host, rows: list[int], prefix: torch.Tensor) -> None:
+        """The CPU scan for `rows`: each selecting layer's centre query (from the row's last draft step) against the
+        host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, into the rows' idle regions."""
+        n = max(rows) + 1
+        prefix = prefix[:n]
+        host.kv.rows(0, n).retrieve(rows, host.st.policy["rep_q"][:n], prefix, prefix + self.block_size,
+                                    self.next_keep(prefix))
 
     def on_move(self, host, src, dst):
         h = self._rows(host)

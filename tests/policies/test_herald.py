@@ -25,6 +25,8 @@ def run(model, policy, batch, ps, new=16, **kw):
 FORMS = [{"lookahead": "draft", "query": "center"}, {"lookahead": "draft", "query": "block"},
          {"lookahead": "none", "query": "center"}, {"lookahead": "draft", "query": "center", "retrieval": "scan"}]
 INT8_SCAN = {"lookahead": "draft", "query": "center", "retrieval": "scan", "scan_keys": "int8"}
+HOST = {"retrieval": "scan", "pool": "host"}  # the system form: full KV in a host pool, the scan on the CPU
+FIXED = {"threshold": 1.0, "steps": 2}  # two steps a block: every block has its draft step (no unprepared block)
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f['lookahead']}-{f['query']}-{f.get('retrieval', 'forward')}")
@@ -47,6 +49,44 @@ def test_whole_budget_is_dense_threshold(model, form):
     for batch in (1, 3):
         got = run(model, DENSE | {"name": "herald", "budget": 1.0} | form, batch, ps)
         assert [(r.output_ids, r.steps) for r in got] == dense
+
+
+@pytest.mark.parametrize("scratch", [1, 2, 4])
+def test_host_pool_whole_budget_is_dense_threshold(model, scratch):
+    """Whatever number of scratch caches (1: requests wait for one to prefill), batched or alone."""
+    ps = prompts(model.config.vocab_size)
+    dense = [(r.output_ids, r.steps) for r in run(model, DENSE, 3, ps)]
+    for batch in (1, 3):
+        got = run(model, DENSE | {"name": "herald", "budget": 1.0, "scratch": scratch} | HOST, batch, ps)
+        assert [(r.output_ids, r.steps) for r in got] == dense
+
+
+def test_host_pool_selects_what_the_device_scan_selects(model):
+    """With every block drafted, the CPU scan over the host pool (float32: the torch form of the fused kernel's math)
+    makes the device scan's selections: the same tokens, batched == alone; and not MAGE's."""
+    ps = prompts(model.config.vocab_size)
+    herald = DENSE | FIXED | {"name": "herald", "budget": 0.3, "retrieval": "scan"}
+    device = [r.output_ids for r in run(model, herald, 3, ps)]
+    host = [r.output_ids for r in run(model, herald | HOST | {"scratch": 2}, 3, ps)]
+    assert host == device
+    assert host == [run(model, herald | HOST, 1, [p])[0].output_ids for p in ps]
+    assert host != [r.output_ids for r in run(model, DENSE | FIXED | {"name": "mage", "budget": 0.3}, 3, ps)]
+
+
+def test_host_pool_through_the_fused_kernel_in_bf16(tmp_path):
+    """bf16 pools go through ext/'s scan (a k and a rank length per request): the whole budget == dense threshold."""
+    from compiledllm.kv import cpu_select
+
+    if not cpu_select.extension_available():
+        pytest.skip("compiledllm._cpu_select is not built")
+    import compiledllm
+
+    m = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 31, head_dim=32, num_hidden_layers=4),
+                               dtype=torch.bfloat16)
+    ps = prompts(m.config.vocab_size)
+    dense = [(r.output_ids, r.steps) for r in run(m, DENSE, 3, ps)]
+    got = run(m, DENSE | {"name": "herald", "budget": 1.0, "scratch": 2} | HOST, 3, ps)
+    assert [(r.output_ids, r.steps) for r in got] == dense
 
 
 @pytest.mark.parametrize("form", [{}, INT8_SCAN], ids=["forward", "int8-scan"])
@@ -78,6 +118,8 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"lookahead": "later"}, "lookahead"),
     ({"budget": 0.0}, r"budget: must be within \(0, 1\]"),
     ({"retrieval": "scan", "lookahead": "none"}, "retrieval: scan takes the centre query from the draft step"),
+    ({"pool": "host"}, "pool: host scans the host pool's keys on the CPU"),
+    ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
     from compiledllm.policies import policy_config
@@ -94,10 +136,12 @@ def test_compiled_equals_eager(model, compile_kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 @pytest.mark.parametrize("budget", [1.0, 0.3])
-def test_captured_equals_eager_on_the_gpu(tmp_path, budget):
+@pytest.mark.parametrize("form", [{}, HOST], ids=["device", "host-pool"])
+def test_captured_equals_eager_on_the_gpu(tmp_path, budget, form):
     """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
-    retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold."""
-    selection_cases.captured_equals_eager(tmp_path, DENSE | {"name": "herald", "budget": budget})
+    retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold. The host
+    pool: pinned, its prefix copies on the side stream, the scan on the CPU."""
+    selection_cases.captured_equals_eager(tmp_path, DENSE | {"name": "herald", "budget": budget} | form)
 
 
 def test_selection_recall_tool_counts_every_method(tmp_path, monkeypatch, capsys):

@@ -218,10 +218,14 @@ fi
 if has herald; then  # device-resident mage / herald: exactness on the GPU, the sparse step's speed, then quality
   timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
-  for p in threshold mage herald; do
+  for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_host}; do  # herald_host: the host pool
+    sets="--set policy.name=${p%%_*}"
+    [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
+    [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
+    [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
-      --set policy.name=$p $([ $p != threshold ] && echo --set policy.budget=0.05) --prompt-len ${HERALD_CONTEXTS:-16384,32768} \
-      --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
+      $sets --prompt-len ${HERALD_CONTEXTS:-16384,32768} --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} \
+      --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
   for ctx in ${HERALD_QUALITY:-8k 4k}; do
     timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \

@@ -1,0 +1,420 @@
+"""KV with the selecting layers' full cache in host memory (HERALD's system form, docs/design.md §5): the device holds,
+per selecting layer, only what the steps read (two selection regions per slot) and what they write (one block buffer
+per slot); the full K/V of every position lives in a host pool ([slots, KVH, capacity, D] per layer, pinned on CUDA),
+where the once-per-block selection scans it on the CPU (ext/, kv/cpu_select.py) and gathers the chosen rows for one
+host-to-device copy per layer.
+
+A row's prompt still needs its whole prefix on the device while it prefills and for its first selection: the store
+lends it one of `scratch` device full caches from admission (`admit`) until `release`. The first layers
+(`dense_layers`) keep a device full cache per slot, as in kv/sparse.py.
+
+Per selecting layer one device tensor [N, KVH, D] holds, in rows:
+
+* scratch caches: cache c, position p at c * (capacity + 1) + p (the last row: the spare a -1 write lands on);
+* two selection regions of P rows per slot (region r, slot s, j-th key at F + (r * slots + s) * P + j, F the scratch
+  rows), per KV head its own position, as in kv/sparse.py;
+* block buffers: slot s, position p of its current block at F + 2 * slots * P + s * (B + 1) + p % B (a block is B
+  consecutive positions, so p % B is unique in it; row B: the spare).
+
+A step's view reads each row's `index` / `length` (its scratch cache, or its region) and writes the forward's fresh
+K/V to the row's block buffer; a prefill view reads and writes the rows' scratch caches. The host copies between the
+tiers (`offload_prefix`, `offload_block`) and the CPU retrieval (`retrieve`) run from the policy's host hooks.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.kv import cpu_select
+from compiledllm.kv.cache import CacheLayer, Tier
+from compiledllm.kv.sparse import top_positions
+from compiledllm.kv.store import DeviceKV
+
+
+@dataclass(frozen=True)
+class PoolLayer:
+    """A layer's view (kv/cache.LayerKV) over a pool tensor: rows read through `index` [B, capacity] (and `length`
+    [B]; None: the forward's prefix_len); a write of position p goes to row base[b] + p % span (-1: base[b] + span)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index: torch.Tensor
+    length: torch.Tensor | None
+    base: torch.Tensor
+    span: int
+
+    def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = self.base[:, None] + torch.where(index < 0, self.span, index % self.span)
+        self.k.index_put_((rows,), k)
+        self.v.index_put_((rows,), v)
+
+
+@dataclass(frozen=True)
+class OffloadSize:
+    slots: int
+    capacity: int
+    per_row: int   # P: selected keys a region holds per slot
+    block: int     # B: a block buffer's positions
+    scratch: int   # device full caches for rows that prefill or make their first selection
+
+    @property
+    def scratch_rows(self) -> int:
+        return self.scratch * (self.capacity + 1)
+
+    @property
+    def block_rows(self) -> int:  # first row of the block buffers
+        return self.scratch_rows + 2 * self.slots * self.per_row
+
+    @property
+    def rows(self) -> int:
+        return self.block_rows + self.slots * (self.block + 1)
+
+
+class _Lender:
+    """Which scratch cache each slot holds (host lists, shared by every view of the store; the device copy `of`
+    [slots] is what captured steps read)."""
+
+    def __init__(self, scratch: int, slots: int, device: torch.device):
+        self.free = list(range(scratch))
+        self.held: list[int | None] = [None] * slots
+        self.of = torch.zeros(slots, dtype=torch.long, device=device)
+        self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
+
+
+class OffloadKV:
+    """The store (kv/store.KVStore) over slots [first, first + n)."""
+
+    def __init__(self, k: list, v: list, host_k: list, host_v: list, dense_layers: int, size: OffloadSize,
+                 index: torch.Tensor, length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor,
+                 lender: _Lender, first: int = 0, n: int | None = None):
+        self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v  # host_*: one per selecting layer
+        self.dense_layers, self.size = dense_layers, size
+        self.index, self.length, self.region, self.kept, self.lender = index, length, region, kept, lender
+        self.first, self.n = first, size.slots - first if n is None else n
+        self.device = index.device
+
+    @property
+    def capacity(self) -> int:
+        return self.size.capacity
+
+    @property
+    def per_row(self) -> int:
+        return self.size.per_row
+
+    @property
+    def selecting_layers(self) -> range:
+        return range(self.dense_layers, len(self.k))
+
+    def _rows(self) -> slice:
+        return slice(self.first, self.first + self.n)
+
+    def _slots(self) -> torch.Tensor:
+        return self.first + torch.arange(self.n, device=self.device)
+
+    # --- addressing ------------------------------------------------------------------------------------------------
+    def _dense_full(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.size
+        return t.view(s.slots, s.capacity + 1, *t.shape[1:])[self._rows()]
+
+    def _scratch_base(self) -> torch.Tensor:
+        return self.lender.of[self._rows()] * (self.capacity + 1)
+
+    def _region_base(self, region: torch.Tensor) -> torch.Tensor:
+        s = self.size
+        return s.scratch_rows + (region * s.slots + self._slots()) * s.per_row
+
+    def _block_base(self) -> torch.Tensor:
+        return self.size.block_rows + self._slots() * (self.size.block + 1)
+
+    def _selection_index(self, region: torch.Tensor) -> torch.Tensor:
+        j = torch.arange(self.capacity, device=self.device)
+        return self._region_base(region)[:, None] + j.clamp(max=self.per_row - 1)  # past P: never read
+
+    # --- views -----------------------------------------------------------------------------------------------------
+    def layer(self, i: int):
+        if i < self.dense_layers:
+            return CacheLayer(self._dense_full(self.k[i]), self._dense_full(self.v[i]))
+        r = self._rows()
+        return PoolLayer(self.k[i], self.v[i], self.index[r], self.length[r], self._block_base(), self.size.block)
+
+    def rows(self, start: int, end: int, indexed: bool | None = None) -> "OffloadKV":
+        return OffloadKV(self.k, self.v, self.host_k, self.host_v, self.dense_layers, self.size, self.index,
+                         self.length, self.region, self.kept, self.lender, self.first + start, end - start)
+
+    def prefill_rows(self, start: int, end: int) -> "ScratchView":
+        return ScratchView(self.rows(start, end))
+
+    # --- scratch -----------------------------------------------------------------------------------------------
+    def admit(self, slot: int) -> bool:
+        """Lend slot `slot` (of the whole store) a scratch cache for its prefill; False: none is free."""
+        lend = self.lender
+        if lend.held[slot] is None:
+            if not lend.free:
+                return False
+            lend.held[slot] = lend.free.pop(0)
+            lend.of[slot] = lend.held[slot]
+        return True
+
+    def holds_scratch(self, slot: int) -> bool:
+        return self.lender.held[slot] is not None
+
+    def release(self, slot: int) -> None:
+        """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection)."""
+        lend = self.lender
+        if lend.held[slot] is not None:
+            event = lend.pending.pop(slot, None)
+            if event is not None:
+                event.synchronize()  # the copy out of the scratch cache must end before another row writes it
+            lend.free.append(lend.held[slot])
+            lend.held[slot] = None
+
+    free = release  # a vacated slot (the session's call) gives its scratch back
+
+    # --- modes ---------------------------------------------------------------------------------------------------
+    def reads_full(self) -> torch.Tensor:
+        return self.index[self._rows(), 0] < self.size.scratch_rows
+
+    def read_full(self, rows: torch.Tensor, prefix: torch.Tensor) -> None:
+        """Rows where `rows` [n] is True (each holding a scratch cache) read it up to `prefix` [n] from now on."""
+        r = self._rows()
+        full = self._scratch_base()[:, None] + torch.arange(self.capacity, device=self.device)
+        self.index[r] = torch.where(rows[:, None], full, self.index[r])
+        self.length[r] = torch.where(rows, prefix, self.length[r])
+
+    def select(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> None:
+        """MAGE's selection from the rows' scratch caches (their first block): as kv/sparse.SparseKV.select."""
+        chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
+        r = self._rows()
+        region = self.region[r]
+        heads = torch.arange(chosen.shape[2], device=self.device)[None, :, None]
+        dest = self._region_base(region)[:, None, None] + torch.arange(self.per_row, device=self.device)
+        for j, layer in enumerate(self.selecting_layers):
+            src = self._scratch_base()[:, None, None] + chosen[j]
+            for t in (self.k[layer], self.v[layer]):
+                picked = t[src, heads].transpose(1, 2)
+                old = t[dest.transpose(1, 2), heads.transpose(1, 2)]
+                t[dest.transpose(1, 2), heads.transpose(1, 2)] = torch.where(rows[:, None, None, None], picked, old)
+        self.index[r] = torch.where(rows[:, None], self._selection_index(region), self.index[r])
+        self.length[r] = torch.where(rows, keep, self.length[r])
+
+    def swap(self, rows: torch.Tensor, block: torch.Tensor, size: int) -> None:
+        """Rows where `rows` is True: append their block buffer (the block at `block` [n], `size` positions) to the
+        idle region's selection and read that region from now on (HERALD's pool swap)."""
+        r = self._rows()
+        idle, kept = 1 - self.region[r], self.kept[r]
+        j = torch.arange(size, device=self.device)
+        src = self._block_base()[:, None] + (block[:, None] + j) % self.size.block  # [n, size]
+        dest = self._region_base(idle)[:, None] + (kept[:, None] + j).clamp(max=self.per_row - 1)
+        for layer in self.selecting_layers:
+            for t in (self.k[layer], self.v[layer]):
+                t[dest] = torch.where(rows[:, None, None, None], t[src], t[dest])
+        self.region[r] = torch.where(rows, idle, self.region[r])
+        self.index[r] = torch.where(rows[:, None], self._selection_index(self.region[r]), self.index[r])
+        self.length[r] = torch.where(rows, kept + size, self.length[r])
+
+    def block_to_scratch(self, slots: list[int], block: torch.Tensor, size: int) -> None:
+        """The block buffers of `slots` (store slots holding scratch) into their scratch caches at [block, block +
+        size) ([n] over this view): a row that reads its full prefix again sees the block it completed."""
+        j = torch.arange(size, device=self.device)
+        for s in slots:
+            b = s - self.first
+            src = self._block_base()[b] + (block[b] + j) % self.size.block
+            dest = self.lender.held[s] * (self.capacity + 1) + block[b] + j
+            for layer in self.selecting_layers:
+                for t in (self.k[layer], self.v[layer]):
+                    t[dest] = t[src]
+
+    # --- the host pool ---------------------------------------------------------------------------------------------
+    def offload_prefix(self, slots: list[int], prefix: list[int], stream: torch.cuda.Stream | None = None) -> None:
+        """Each slot's scratch cache [0, prefix) -> the host pool, on `stream` where given (asynchronous; `release`
+        and `retrieve` wait for it)."""
+        cap = self.capacity
+        for s, p in zip(slots, prefix):
+            base = self.lender.held[s] * (cap + 1)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for j, layer in enumerate(self.selecting_layers):
+                    for t, host in ((self.k[layer], self.host_k[j]), (self.v[layer], self.host_v[j])):
+                        for h in range(host.shape[1]):  # contiguous host rows: the copy stays asynchronous
+                            host[s, h, :p].copy_(t[base : base + p, h], non_blocking=stream is not None)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.lender.pending[s] = event
+
+    def offload_block(self, slots: list[int], block: list[int]) -> None:
+        """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool."""
+        B = self.size.block
+        for s, start in zip(slots, block):
+            src = self.size.block_rows + s * (B + 1) + (start + torch.arange(B, device=self.device)) % B
+            end = min(start + B, self.capacity)
+            for j, layer in enumerate(self.selecting_layers):
+                for t, host in ((self.k[layer], self.host_k[j]), (self.v[layer], self.host_v[j])):
+                    host[s, :, start:end].copy_(t[src[: end - start]].transpose(0, 1))
+
+    def retrieve(self, slots: list[int], q: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor,
+                 keep: torch.Tensor, threads: int = 0) -> None:
+        """HERALD's CPU retrieval for `slots` (ascending store slots): in every selecting layer j, the query q[b, j]
+        ([n, L, H, D] on any device; n = max(slots) + 1 - first rows of this view) scores the host pool's keys [0,
+        end[b]), and the keep[b] positions before prefix[b] of largest mass (per KV head: the G heads' softmax
+        probabilities summed; ties: the lower position) are gathered and copied into the rows' idle regions; kept
+        := keep. bf16 pools go through the fused kernel (kv/cpu_select.py), others through the same math in torch."""
+        n = q.shape[0]
+        on = torch.zeros(n, dtype=torch.bool)
+        on[[s - self.first for s in slots]] = True
+        rows = slice(self.first, self.first + n)
+        for s in slots:
+            event = self.lender.pending.pop(s, None)
+            if event is not None:
+                event.synchronize()
+        end = end.clamp(max=self.capacity)
+        prefix, end, keep = (x.cpu() * on for x in (prefix, end, keep))
+        q = q.cpu()
+        H, D = q.shape[2], q.shape[3]
+        idle = (1 - self.region[rows]).to(self.device)
+        fused = self.host_k[0].dtype == torch.bfloat16 and cpu_select.extension_available()
+        for j, layer in enumerate(self.selecting_layers):
+            hk, hv = self.host_k[j][rows], self.host_v[j][rows]  # [n, KVH, capacity, D]
+            KVH = hk.shape[1]
+            if fused:
+                idx = cpu_select.select(q[:, j].reshape(n, H, 1, D), hk, None, end, keep, rank_lengths=prefix,
+                                        want_output=False, want_lse=False, threads=threads).topk_idx
+                staged = cpu_select.gather(hk, hv, idx, threads=threads)  # [2, n, KVH, k, D]
+            else:
+                idx = _scan_top(q[:, j], hk, prefix, end, keep, self.per_row)
+                heads = torch.arange(KVH)[None, :, None]
+                safe = idx.clamp(min=0).long()
+                staged = torch.stack([hk[torch.arange(n)[:, None, None], heads, safe],
+                                      hv[torch.arange(n)[:, None, None], heads, safe]])
+            width = staged.shape[3]
+            dest = self._region_base(idle)[:, None] + torch.arange(width, device=self.device)  # [n, k]
+            take = on.to(self.device)[:, None, None, None]
+            for t, part in ((self.k[layer], staged[0]), (self.v[layer], staged[1])):
+                new = part.to(self.device, non_blocking=True).transpose(1, 2)  # [n, k, KVH, D]
+                t[dest] = torch.where(take, new.to(t.dtype), t[dest])
+        self.kept[rows] = torch.where(on.to(self.device), keep.to(self.device), self.kept[rows])
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        s = self.size
+        a, b = self.rows(src, src + 1), self.rows(dst, dst + 1)
+        for i in range(self.dense_layers):
+            for t in (self.k[i], self.v[i]):
+                b._dense_full(t)[:, :length] = a._dense_full(t)[:, :length]
+        for j, layer in enumerate(self.selecting_layers):
+            for t in (self.k[layer], self.v[layer]):
+                for r in (0, 1):
+                    reg = torch.tensor([r], device=self.device)
+                    t[b._region_base(reg)[:, None] + torch.arange(s.per_row, device=self.device)] = \
+                        t[a._region_base(reg)[:, None] + torch.arange(s.per_row, device=self.device)]
+                t[b._block_base()[0] : b._block_base()[0] + s.block + 1] = \
+                    t[a._block_base()[0] : a._block_base()[0] + s.block + 1]
+            for host in (self.host_k[j], self.host_v[j]):
+                host[dst, :, :length] = host[src, :, :length]
+        lend = self.lender
+        if lend.held[dst] is not None:
+            self.release(dst)
+        lend.held[dst], lend.held[src] = lend.held[src], None
+        lend.of[dst] = lend.of[src]
+        if src in lend.pending:
+            lend.pending[dst] = lend.pending.pop(src)
+        for buf in (self.length, self.region, self.kept):
+            buf[dst] = buf[src]
+        scratch = bool((self.index[src, 0] < s.scratch_rows).item())
+        self.index[dst] = (b._scratch_base()[:, None] + torch.arange(s.capacity, device=self.device) if scratch
+                           else b._selection_index(self.region[dst : dst + 1]))[0]
+
+
+def _scan_top(q: torch.Tensor, k: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor, keep: torch.Tensor,
+              per_row: int) -> torch.Tensor:
+    """The retrieval's ranking in torch: q [n, H, D], k [n, KVH, S, D] -> [n, KVH, max keep] positions in order (-1
+    past a row's keep), as cpu_select.select(..., lengths=end, topk=keep, rank_lengths=prefix) ranks them."""
+    n, H, D = q.shape
+    KVH, S = k.shape[1], k.shape[2]
+    s = torch.einsum("bkgd,bksd->bkgs", q.view(n, KVH, H // KVH, D).float(), k.float()) * D ** -0.5
+    s = s.masked_fill(torch.arange(S) >= end[:, None, None, None], float("-inf"))
+    mass = torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2)  # [n, KVH, S]
+    width = int(keep.max()) if n else 0
+    chosen = top_positions(mass, prefix, keep, max(width, 1), S)[..., :width]
+    return torch.where(chosen >= S, -1, chosen).int()
+
+
+class ScratchView:
+    """What prefill chunks see: the dense layers' full caches, and each row's scratch cache in the others."""
+
+    def __init__(self, kv: OffloadKV):
+        self.kv = kv
+
+    def layer(self, i: int):
+        kv = self.kv
+        if i < kv.dense_layers:
+            return kv.layer(i)
+        base = kv._scratch_base()
+        index = base[:, None] + torch.arange(kv.capacity, device=kv.device)
+        return PoolLayer(kv.k[i], kv.v[i], index, None, base, kv.capacity)
+
+
+def host_pool(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """One zeroed host tensor, page-locked in place where `pin` (cudaHostRegister: torch's pinned allocator would round
+    tens of GB up to the next power of two), unlocked when it is freed."""
+    t = torch.zeros(shape, dtype=dtype)
+    if pin and t.numel():
+        nbytes = t.numel() * t.element_size()
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.1f} GiB host KV pool failed: {err}")
+        weakref.finalize(t.untyped_storage(), rt.cudaHostUnregister, t.data_ptr())
+    return t
+
+
+@dataclass(frozen=True)
+class OffloadLayout:
+    """Dense layers' full caches on the device, the selecting layers' full caches in a host pool (pinned on CUDA),
+    `scratch` device full caches lent to rows from admission to their first prepared selection, two selection
+    regions of `per_row` positions and a block buffer per slot on the device."""
+
+    full: DeviceKV
+    dense_layers: int
+    per_row: int
+    block: int
+    scratch: int
+
+    @property
+    def size(self) -> OffloadSize:
+        f = self.full
+        return OffloadSize(f.slots, f.capacity, self.per_row, self.block, min(self.scratch, f.slots))
+
+    def _row_bytes(self) -> int:  # one position of one layer, K and V
+        f = self.full
+        return 2 * f.kv_heads * f.head_dim * (torch.finfo(f.dtype).bits // 8)
+
+    def tiers(self) -> list[Tier]:
+        f, s, per = self.full, self.size, self._row_bytes()
+        dev = torch.device(f.device)
+        sel = f.num_layers - self.dense_layers
+        return [Tier("device KV cache (dense layers)", dev, per * self.dense_layers * f.slots * (f.capacity + 1)),
+                Tier("device scratch, selections, block buffers", dev, per * sel * s.rows),
+                Tier("host KV pool", torch.device("cpu"), per * sel * f.slots * f.capacity)]
+
+    def allocate(self) -> OffloadKV:
+        f, s = self.full, self.size
+        dev = torch.device(f.device)
+        pin = dev.type == "cuda"
+        k, v = [], []
+        for i in range(f.num_layers):
+            rows = f.slots * (f.capacity + 1) if i < self.dense_layers else s.rows
+            k.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
+            v.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
+        sel = f.num_layers - self.dense_layers
+        pool = host_pool((2, sel, f.slots, f.kv_heads, f.capacity, f.head_dim), f.dtype, pin)
+        host_k, host_v = list(pool[0]), list(pool[1])
+        zeros = lambda: torch.zeros(f.slots, dtype=torch.long, device=dev)  # noqa: E731
+        index = torch.zeros(f.slots, f.capacity, dtype=torch.long, device=dev)
+        kv = OffloadKV(k, v, host_k, host_v, self.dense_layers, s, index, zeros(), zeros(), zeros(),
+                       _Lender(s.scratch, f.slots, dev))
+        kv.index.copy_(kv._selection_index(kv.region))  # nothing read before a row's first step sets it
+        return kv
