@@ -215,7 +215,9 @@ if has commit; then  # threshold's fused commit against the separate one, same c
       --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
   done
 fi
-if has herald; then  # device-resident mage / herald: exactness on the GPU, the sparse step's speed, then quality
+if has herald; then  # mage / herald (device pool, host pool): exactness on the GPU, the sparse step's speed, then quality
+  python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1 \
+    || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
   timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_host}; do  # herald_host: the host pool
