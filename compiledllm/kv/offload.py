@@ -53,6 +53,17 @@ class PoolLayer:
 
 
 @dataclass(frozen=True)
+class Scanned:
+    """A CPU scan's result for store rows [first, first + n): the rows it selected for (`on` [n]), their keep counts
+    and, per selecting layer, the gathered K / V [2, n, KVH, k, D] on the host."""
+
+    first: int
+    on: torch.Tensor
+    keep: torch.Tensor
+    staged: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
 class OffloadSize:
     slots: int
     capacity: int
@@ -258,45 +269,65 @@ class OffloadKV:
 
     def retrieve(self, slots: list[int], q: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor,
                  keep: torch.Tensor, threads: int = 0) -> None:
-        """HERALD's CPU retrieval for `slots` (ascending store slots): in every selecting layer j, the query q[b, j]
-        ([n, L, H, D] on any device; n = max(slots) + 1 - first rows of this view) scores the host pool's keys [0,
-        end[b]), and the keep[b] positions before prefix[b] of largest mass (per KV head: the G heads' softmax
-        probabilities summed; ties: the lower position) are gathered and copied into the rows' idle regions; kept
-        := keep. bf16 pools go through the fused kernel (kv/cpu_select.py), others through the same math in torch."""
+        """`scan` then `place`, in one call."""
+        self.place(self.scan(slots, q, prefix, end, keep, threads))
+
+    def scan(self, slots: list[int], q: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor, keep: torch.Tensor,
+             threads: int = 0) -> "Scanned":
+        """HERALD's CPU retrieval for `slots` (store slots), host work only (a worker thread may run it while the
+        device steps): in every selecting layer j the query q[b, j] ([n, L, H, D] on the CPU; row b = slot first +
+        b) scores the host pool's keys [0, end[b]), and the keep[b] positions before prefix[b] of largest mass (per
+        KV head the G heads' softmax probabilities summed; ties: the lower position) are gathered into host staging
+        ([2, n, KVH, max keep, D] per layer). bf16 pools go through the fused kernel (kv/cpu_select.py), others
+        through the same math in torch. prefix, end, keep: [n] CPU tensors."""
         n = q.shape[0]
         on = torch.zeros(n, dtype=torch.bool)
         on[[s - self.first for s in slots]] = True
-        rows = slice(self.first, self.first + n)
         for s in slots:
-            event = self.lender.pending.pop(s, None)
+            event = self.lender.pending.get(s)
             if event is not None:
-                event.synchronize()
-        end = end.clamp(max=self.capacity)
-        prefix, end, keep = (x.cpu() * on for x in (prefix, end, keep))
-        q = q.cpu()
+                event.synchronize()  # the prefix's copy into the host pool
+        rows = slice(self.first, self.first + n)
+        prefix, end, keep = prefix * on, end.clamp(max=self.capacity) * on, keep * on
         H, D = q.shape[2], q.shape[3]
-        idle = (1 - self.region[rows]).to(self.device)
         fused = self.host_k[0].dtype == torch.bfloat16 and cpu_select.extension_available()
-        for j, layer in enumerate(self.selecting_layers):
+        staged = []
+        for j in range(len(self.selecting_layers)):
             hk, hv = self.host_k[j][rows], self.host_v[j][rows]  # [n, KVH, capacity, D]
-            KVH = hk.shape[1]
             if fused:
                 idx = cpu_select.select(q[:, j].reshape(n, H, 1, D), hk, None, end, keep, rank_lengths=prefix,
                                         want_output=False, want_lse=False, threads=threads).topk_idx
-                staged = cpu_select.gather(hk, hv, idx, threads=threads)  # [2, n, KVH, k, D]
+                staged.append(cpu_select.gather(hk, hv, idx, threads=threads))
             else:
-                idx = _scan_top(q[:, j], hk, prefix, end, keep, self.per_row)
-                heads = torch.arange(KVH)[None, :, None]
-                safe = idx.clamp(min=0).long()
-                staged = torch.stack([hk[torch.arange(n)[:, None, None], heads, safe],
-                                      hv[torch.arange(n)[:, None, None], heads, safe]])
-            width = staged.shape[3]
-            dest = self._region_base(idle)[:, None] + torch.arange(width, device=self.device)  # [n, k]
-            take = on.to(self.device)[:, None, None, None]
-            for t, part in ((self.k[layer], staged[0]), (self.v[layer], staged[1])):
-                new = part.to(self.device, non_blocking=True).transpose(1, 2)  # [n, k, KVH, D]
-                t[dest] = torch.where(take, new.to(t.dtype), t[dest])
-        self.kept[rows] = torch.where(on.to(self.device), keep.to(self.device), self.kept[rows])
+                idx = _scan_top(q[:, j], hk, prefix, end, keep, self.per_row).clamp(min=0).long()
+                b, h = torch.arange(n)[:, None, None], torch.arange(hk.shape[1])[None, :, None]
+                staged.append(torch.stack([hk[b, h, idx], hv[b, h, idx]]))
+        return Scanned(self.first, on, keep, staged)
+
+    def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
+        """A scan's selections into its rows' idle regions (one host-to-device copy per layer and K / V), for the rows
+        `only` [n] (default all) keeps; kept := its keep counts."""
+        n = scanned.on.shape[0]
+        view = self.rows(scanned.first - self.first, scanned.first - self.first + n)
+        on = (scanned.on if only is None else scanned.on & only).to(self.device)
+        idle = 1 - self.region[view._rows()]
+        for layer, part in zip(self.selecting_layers, scanned.staged):
+            dest = view._region_base(idle)[:, None] + torch.arange(part.shape[3], device=self.device)  # [n, k]
+            for t, x in ((self.k[layer], part[0]), (self.v[layer], part[1])):
+                new = x.to(self.device, non_blocking=True).transpose(1, 2).to(t.dtype)  # [n, k, KVH, D]
+                t[dest] = torch.where(on[:, None, None, None], new, t[dest])
+        r = view._rows()
+        self.kept[r] = torch.where(on, scanned.keep.to(self.device), self.kept[r])
+
+    def copy_idle(self, src: int, dst: int) -> None:
+        """Slot src's idle region and kept count to slot dst (a selection placed after the slot moved)."""
+        a, b = self.rows(src, src + 1), self.rows(dst, dst + 1)
+        j = torch.arange(self.per_row, device=self.device)
+        for layer in self.selecting_layers:
+            for t in (self.k[layer], self.v[layer]):
+                t[b._region_base(1 - self.region[dst : dst + 1])[:, None] + j] = \
+                    t[a._region_base(1 - self.region[src : src + 1])[:, None] + j]
+        self.kept[dst] = self.kept[src]
 
     def move(self, src: int, dst: int, length: int) -> None:
         s = self.size

@@ -36,6 +36,7 @@ work runs, not what it selects.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -210,7 +211,7 @@ class HeraldPolicy(MagePolicy):
         h = host.state
         if "bstep" not in h:
             n = host.st.active.shape[0]
-            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=())
+            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, stall_s=0.0)
         return h
 
     def schedule(self, step):
@@ -234,10 +235,11 @@ class HeraldPolicy(MagePolicy):
         for s in h["rows"]:
             h["bstep"][s] += 1
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
-            if self.host_pool:  # the draft's K/V to the host pool, then the scan over it
+            if self.host_pool:  # the draft's K/V to the host pool, then the scan over it on the worker thread
                 starts = host.st.block_start.tolist()
                 host.kv.offload_block(drafted, [starts[s] for s in drafted])
-                self.host_retrieve(host, drafted, host.st.block_start)
+                # (a CPU model waits for it: the same cores would run both, and torch's threads follow the load)
+                self.host_retrieve(host, drafted, host.st.block_start, wait=not host.st.seq.is_cuda)
                 for s in drafted:  # a prepared selection: the row needs its full prefix on the device no more
                     host.kv.release(s)
             elif not self.scan:
@@ -249,6 +251,8 @@ class HeraldPolicy(MagePolicy):
         h, st = self._rows(host), host.st
         boundary = [s for s, n in zip(rows, st.steps[rows].tolist()) if n > 0]  # the others were just admitted
         if self.host_pool:
+            for s in boundary:  # its scan's selection, placed when the row needs it (the stall, if the scan is late),
+                self.host_place(host, h["pending"][s])  # before the exact block replaces the draft the scan reads
             self.host_boundary(host, rows, boundary)
         if boundary and not self.lookahead:  # retrieve now, with the completed block
             self.retrieve(host, boundary, draft=False)
@@ -261,7 +265,7 @@ class HeraldPolicy(MagePolicy):
         if warm:
             host.kv.swap(_mask(st.active, warm), st.block_start - self.block_size, self.block_size)
         for s in rows:
-            h["bstep"][s], h["full"][s], h["ready"][s] = 0, s in cold, False
+            h["bstep"][s], h["full"][s], h["ready"][s], h["pending"][s] = 0, s in cold, False, None
 
     def host_boundary(self, host, rows: list[int], boundary: list[int]) -> None:
         """The host pool's part of a block boundary: the completed block's exact K/V to the host pool; an admitted
@@ -285,16 +289,42 @@ class HeraldPolicy(MagePolicy):
         if keep:
             kv.rows(0, max(keep) + 1).block_to_scratch(keep, st.block_start - Bk, Bk)
 
-    def host_retrieve(self, host, rows: list[int], prefix: torch.Tensor) -> None:
+    def host_retrieve(self, host, rows: list[int], prefix: torch.Tensor, wait: bool = True) -> None:
         """The CPU scan for `rows`: each selecting layer's centre query (from the row's last draft step) against the
-        host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, into the rows' idle regions."""
-        n = max(rows) + 1
-        prefix = prefix[:n]
-        host.kv.rows(0, n).retrieve(rows, host.st.policy["rep_q"][:n], prefix, prefix + self.block_size,
-                                    self.next_keep(prefix))
+        host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, for the rows' idle regions; on
+        the worker thread, placed at the rows' boundaries (`wait`: placed now)."""
+        n, h = max(rows) + 1, self._rows(host)
+        prefix = prefix[:n].cpu()
+        scan = host.kv.rows(0, n).scan
+        job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
+                                 self.next_keep(prefix))
+        for s in rows:
+            h["pending"][s] = job
+        if wait:
+            self.host_place(host, job)
+
+    def host_place(self, host, job) -> None:
+        """A scan job's selections into the idle regions of the rows still waiting for it (waits for the job; the
+        seconds waited add up in the host state's `stall_s`)."""
+        if job is None:
+            return
+        h = self._rows(host)
+        t = time.perf_counter()
+        scanned = job.result()
+        h["stall_s"] += time.perf_counter() - t
+        n = scanned.on.shape[0]
+        waiting = [s for s in range(n) if h["pending"][s] is job]
+        only = torch.zeros(n, dtype=torch.bool)
+        only[waiting] = True
+        host.kv.place(scanned, only)
+        for s in waiting:
+            h["pending"][s] = None
 
     def on_move(self, host, src, dst):
         h = self._rows(host)
+        if h["pending"][src] is not None:  # the scan for src lands in src's idle region: then dst's
+            self.host_place(host, h["pending"][src])
+            host.kv.copy_idle(src, dst)
         for key in ("bstep", "full", "ready"):
             h[key][dst] = h[key][src]
 
