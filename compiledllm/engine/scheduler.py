@@ -9,7 +9,7 @@ schedule it). Prefill writes only its own rows' KV, so decoding rows keep their 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from compiledllm.engine.prefill import Prefiller, Progress
 
@@ -29,6 +29,7 @@ class RunStats:
     stalled_steps: int = 0   # decode steps whose rows first waited for a prefill forward of another request
     stall_s: float = 0.0     # the waiting, in total
     stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
+    policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
 
 
 @dataclass
@@ -50,8 +51,9 @@ class Counters:
         self.stall_s += wait
         self.stall_max_s = max(self.stall_max_s, wait)
 
-    def stats(self, wall_s: float, startup_s: float) -> RunStats:
-        return RunStats(wall_s=wall_s, startup_s=startup_s, **{f.name: getattr(self, f.name) for f in fields(self)})
+    def stats(self, wall_s: float, startup_s: float, policy: dict | None = None) -> RunStats:
+        return RunStats(wall_s=wall_s, startup_s=startup_s, policy=policy or {},
+                        **{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def prefill_pieces(prefiller: Prefiller, prefilling: Sequence[int], admitted: Mapping[int, int],

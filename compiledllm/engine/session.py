@@ -365,7 +365,7 @@ class EngineSession:
                                 first_block_s=first - req.arrival, finish_reason=reason, stop_reason=stop)
 
     def stats(self) -> RunStats:
-        return self._counts.stats(self.now(), self.startup_s)
+        return self._counts.stats(self.now(), self.startup_s, self.policy.host_stats(self.host))
 
     def close(self) -> None:
         """Stop the host worker (a session's buffers go with the object)."""

@@ -196,6 +196,10 @@ class Policy(ABC):
         """Per-request statistics of the policy, read once the request in `slot` ended (GenerationResult.extra)."""
         return {}
 
+    def host_stats(self, host: HostContext) -> dict:
+        """The policy's counters for the session so far (RunStats.policy; `compiledllm bench` records them)."""
+        return {}
+
 
 class BlockPolicy(Policy):
     """A policy that decodes one block per row at a time (`threshold`, `t2t`): its forward is the current block

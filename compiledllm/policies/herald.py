@@ -211,7 +211,8 @@ class HeraldPolicy(MagePolicy):
         h = host.state
         if "bstep" not in h:
             n = host.st.active.shape[0]
-            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, stall_s=0.0)
+            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, stall_s=0.0,
+                     scans=0, scan_s=0.0)
         return h
 
     def schedule(self, step):
@@ -295,7 +296,15 @@ class HeraldPolicy(MagePolicy):
         the worker thread, placed at the rows' boundaries (`wait`: placed now)."""
         n, h = max(rows) + 1, self._rows(host)
         prefix = prefix[:n].cpu()
-        scan = host.kv.rows(0, n).scan
+        view = host.kv.rows(0, n)
+
+        def scan(*args):
+            t = time.perf_counter()
+            out = view.scan(*args)
+            h["scan_s"] += time.perf_counter() - t
+            return out
+
+        h["scans"] += 1
         job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
                                  self.next_keep(prefix))
         for s in rows:
@@ -319,6 +328,14 @@ class HeraldPolicy(MagePolicy):
         host.kv.place(scanned, only)
         for s in waiting:
             h["pending"][s] = None
+
+    def host_stats(self, host) -> dict:
+        """The host pool's scans: how many, their CPU seconds (on the worker) and the seconds rows waited for them at
+        their boundaries (HERALD's pipeline stall)."""
+        h = host.state
+        if not self.host_pool or "scans" not in h:
+            return {}
+        return {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"]}
 
     def on_move(self, host, src, dst):
         h = self._rows(host)
