@@ -13,6 +13,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, lay
     """q [B, Q, H, D], the forward's fresh k/v [B, Q, KVH, D] -> [B, Q, H, D]. Reads the KV source as it was
     before this forward, then writes the fresh K/V at fwd.kv_write (-1 = skip)."""
     spec = fwd.attention
+    if getattr(kv_layer, "on_host", False):  # a layer that attends on the CPU (kv/offload.HostLayer)
+        return kv_layer.attend(q, k, v, spec.rule)
     captured = spec.capture_target(layer)
     if captured is not None:  # one query's q per row, kept for the caller
         at = spec.capture_at[:, None, None, None].expand(-1, 1, *q.shape[2:])

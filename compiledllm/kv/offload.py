@@ -290,19 +290,43 @@ class OffloadKV:
         rows = slice(self.first, self.first + n)
         prefix, end, keep = prefix * on, end.clamp(max=self.capacity) * on, keep * on
         H, D = q.shape[2], q.shape[3]
-        fused = self.host_k[0].dtype == torch.bfloat16 and cpu_select.extension_available()
-        staged = []
+        chosen = []
         for j in range(len(self.selecting_layers)):
-            hk, hv = self.host_k[j][rows], self.host_v[j][rows]  # [n, KVH, capacity, D]
-            if fused:
-                idx = cpu_select.select(q[:, j].reshape(n, H, 1, D), hk, None, end, keep, rank_lengths=prefix,
-                                        want_output=False, want_lse=False, threads=threads).topk_idx
+            hk = self.host_k[j][rows]  # [n, KVH, capacity, D]
+            if self.fused:
+                chosen.append(cpu_select.select(q[:, j].reshape(n, H, 1, D), hk, None, end, keep, rank_lengths=prefix,
+                                                want_output=False, want_lse=False, threads=threads).topk_idx)
+            else:
+                chosen.append(_host_attention(q[:, j][:, :, None], hk, None, end, keep, prefix)[2])
+        return self.gathered(on, keep, chosen, threads)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the host pool goes through ext/'s fused kernel (bf16 pools, the extension built)."""
+        return self.host_k[0].dtype == torch.bfloat16 and cpu_select.extension_available()
+
+    def gathered(self, on: torch.Tensor, keep: torch.Tensor, chosen: list[torch.Tensor], threads: int = 0
+                 ) -> "Scanned":
+        """Rows [first, first + n): per selecting layer the K/V of the positions chosen[j] ([n, KVH, k] int32, -1:
+        none) gathered from the host pool into staging [2, n, KVH, k, D]."""
+        n = on.shape[0]
+        rows = slice(self.first, self.first + n)
+        staged = []
+        for j, idx in enumerate(chosen):
+            hk, hv = self.host_k[j][rows], self.host_v[j][rows]
+            if self.fused:
                 staged.append(cpu_select.gather(hk, hv, idx, threads=threads))
             else:
-                idx = _scan_top(q[:, j], hk, prefix, end, keep, self.per_row).clamp(min=0).long()
+                safe = idx.clamp(min=0).long()
                 b, h = torch.arange(n)[:, None, None], torch.arange(hk.shape[1])[None, :, None]
-                staged.append(torch.stack([hk[b, h, idx], hv[b, h, idx]]))
+                staged.append(torch.stack([hk[b, h, safe], hv[b, h, safe]]))
         return Scanned(self.first, on, keep, staged)
+
+    def host_attend(self, lengths: torch.Tensor, keep: torch.Tensor, prefix: torch.Tensor) -> "HostAttendView":
+        """A forward's store where the selecting layers attend on the CPU over the host pool's keys [0, lengths)
+        and choose, per KV head, the keep positions before prefix of largest mass (HERALD's retrieval forward);
+        the dense layers read their device caches. [n] CPU tensors; n: the view's rows."""
+        return HostAttendView(self, lengths, keep, prefix)
 
     def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
         """A scan's selections into its rows' idle regions (one host-to-device copy per layer and K / V), for the rows
@@ -359,18 +383,72 @@ class OffloadKV:
                            else b._selection_index(self.region[dst : dst + 1]))[0]
 
 
-def _scan_top(q: torch.Tensor, k: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor, keep: torch.Tensor,
-              per_row: int) -> torch.Tensor:
-    """The retrieval's ranking in torch: q [n, H, D], k [n, KVH, S, D] -> [n, KVH, max keep] positions in order (-1
-    past a row's keep), as cpu_select.select(..., lengths=end, topk=keep, rank_lengths=prefix) ranks them."""
-    n, H, D = q.shape
+def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, lengths: torch.Tensor,
+                    keep: torch.Tensor, rank: torch.Tensor) -> tuple:
+    """cpu_select.select's contract in torch (float32 pools): q [n, H, Q, D], k / v [n, KVH, S, D] -> (out [n, H, Q,
+    D] float32 or None, lse [n, H, Q], positions [n, KVH, max keep] int32 in order, -1 past a row's keep): the
+    softmax over keys [0, lengths), the mass per key summed over each KV head's query rows, the keep[b] positions
+    before rank[b] of largest mass (ties: the lower position)."""
+    n, H, Q, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
-    s = torch.einsum("bkgd,bksd->bkgs", q.view(n, KVH, H // KVH, D).float(), k.float()) * D ** -0.5
-    s = s.masked_fill(torch.arange(S) >= end[:, None, None, None], float("-inf"))
-    mass = torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2)  # [n, KVH, S]
+    s = torch.einsum("bkrd,bksd->bkrs", q.reshape(n, KVH, H // KVH * Q, D).float(), k.float()) * D ** -0.5
+    s = s.masked_fill(torch.arange(S) >= lengths[:, None, None, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [n, KVH, R]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = None if v is None else torch.einsum("bkrs,bksd->bkrd", p, v.float()).reshape(n, H, Q, D)
     width = int(keep.max()) if n else 0
-    chosen = top_positions(mass, prefix, keep, max(width, 1), S)[..., :width]
-    return torch.where(chosen >= S, -1, chosen).int()
+    chosen = top_positions(p.sum(2), rank, keep, max(width, 1), S)[..., :width]
+    return out, lse.reshape(n, H, Q), torch.where(chosen >= S, -1, chosen).int()
+
+
+class HostLayer:
+    """A selecting layer of a HostAttendView: attention on the CPU over the host pool (fused with the choice of
+    positions, which lands in `chosen`), the forward's own tokens on the device, the two merged by their
+    log-sum-exps. Writes nothing."""
+
+    on_host = True
+
+    def __init__(self, view: "HostAttendView", j: int):
+        self.view, self.j = view, j
+
+    def attend(self, q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, rule) -> torch.Tensor:
+        from compiledllm.attention.launch import PackedArgs
+        from compiledllm.attention.reference import reference
+
+        kv, view = self.view.kv, self.view
+        B, Q, H, D = q.shape
+        rows = slice(kv.first, kv.first + B)
+        hk, hv = kv.host_k[self.j][rows], kv.host_v[self.j][rows]
+        qc = q.transpose(1, 2).cpu()
+        if kv.fused:
+            r = cpu_select.select(qc, hk, hv, view.lengths, view.keep, rank_lengths=view.rank)
+            out_c, lse_c, chosen = r.out, r.lse, r.topk_idx
+        else:
+            out_c, lse_c, chosen = _host_attention(qc, hk, hv, view.lengths, view.keep, view.rank)
+        view.chosen[self.j] = chosen
+        empty = k_win.new_zeros(B, 0, *k_win.shape[2:])
+        none = torch.zeros(B, dtype=torch.long, device=q.device)
+        out_w, lse_w, _ = reference(PackedArgs(q, empty, empty, none, k_win, v_win, rule), return_lse=True)
+        lse_c, out_c = lse_c.to(q.device), out_c.to(q.device).transpose(1, 2)  # [B, H, Q], [B, Q, H, D]
+        m = torch.maximum(lse_c, lse_w)
+        w_c = torch.exp(lse_c - m).nan_to_num(0.0).transpose(1, 2)[..., None]  # [B, Q, H, 1]
+        w_w = torch.exp(lse_w - m).nan_to_num(0.0).transpose(1, 2)[..., None]
+        return ((out_c * w_c + out_w.float() * w_w) / (w_c + w_w)).to(q.dtype)
+
+    def write(self, index, k, v) -> None:
+        pass
+
+
+class HostAttendView:
+    """OffloadKV.host_attend's view; `chosen[j]`: selecting layer j's positions once the forward ran."""
+
+    def __init__(self, kv: OffloadKV, lengths: torch.Tensor, keep: torch.Tensor, rank: torch.Tensor):
+        self.kv, self.lengths, self.keep, self.rank = kv, lengths, keep, rank
+        self.chosen: list[torch.Tensor | None] = [None] * len(kv.selecting_layers)
+
+    def layer(self, i: int):
+        kv = self.kv
+        return kv.layer(i) if i < kv.dense_layers else HostLayer(self, i - kv.dense_layers)
 
 
 class ScratchView:

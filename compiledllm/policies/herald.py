@@ -84,8 +84,8 @@ class HeraldConfig(MageConfig):
                              "center)")
         if self.pool not in ("device", "host"):
             raise ValueError(f"pool: must be device or host, got {self.pool!r}")
-        if self.pool == "host" and (self.retrieval != "scan" or self.scan_keys != "exact"):
-            raise ValueError("pool: host scans the host pool's keys on the CPU (retrieval: scan, scan_keys: exact)")
+        if self.pool == "host" and self.scan_keys != "exact":
+            raise ValueError("pool: host scans the host pool's keys as they are (scan_keys: exact)")
         if self.scratch < 1:
             raise ValueError(f"scratch: must be >= 1, got {self.scratch}")
 
@@ -236,11 +236,13 @@ class HeraldPolicy(MagePolicy):
         for s in h["rows"]:
             h["bstep"][s] += 1
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
-            if self.host_pool:  # the draft's K/V to the host pool, then the scan over it on the worker thread
+            if self.host_pool:  # the draft's K/V to the host pool, then the retrieval over it
                 starts = host.st.block_start.tolist()
                 host.kv.offload_block(drafted, [starts[s] for s in drafted])
-                # (a CPU model waits for it: the same cores would run both, and torch's threads follow the load)
-                self.host_retrieve(host, drafted, host.st.block_start, wait=not host.st.seq.is_cuda)
+                if self.scan:  # on the worker thread (a CPU model waits for it: the same cores would run both)
+                    self.host_retrieve(host, drafted, host.st.block_start, wait=not host.st.seq.is_cuda)
+                else:
+                    self.retrieve(host, drafted, draft=True)
                 for s in drafted:  # a prepared selection: the row needs its full prefix on the device no more
                     host.kv.release(s)
             elif not self.scan:
@@ -282,8 +284,11 @@ class HeraldPolicy(MagePolicy):
             kv.offload_prefix(admitted, [starts[s] for s in admitted], host.side_stream)
         unprepared = [s for s in boundary if not h["ready"][s]]
         stale = [s for s in unprepared if not kv.holds_scratch(s)]
-        if stale:
-            self.host_retrieve(host, stale, st.block_start - Bk)
+        if stale:  # (the forward retrieval: with the completed block, as without lookahead)
+            if self.scan:
+                self.host_retrieve(host, stale, st.block_start - Bk)
+            else:
+                self.retrieve(host, stale, draft=False)
             for s in stale:
                 h["ready"][s] = True
         keep = [s for s in unprepared if kv.holds_scratch(s)]
@@ -353,11 +358,26 @@ class HeraldPolicy(MagePolicy):
         on = _mask(st.active[:n], rows)
         target = st.block_start[:n] + (Bk if draft else 0)  # the block the selection is for
         view = host.kv.rows(0, n)
+        if self.host_pool:  # the draft (or the completed block) is in the host pool already
+            self.host_forward(host, view, on, target)
+            return
         if draft:
             view.stage_draft(on, target - Bk)
         stats = self.representative_mass(host, on, target, target, draft, self.config.query)
         prefix = (target - Bk).clamp(min=0)
         view.select_next(on, stats, prefix, self.next_keep(prefix))
+
+    def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
+        """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative
+        query's q, k, v on the device, its attention over the host pool's [0, target) on the CPU fused with the choice
+        of each KV head's positions before the block at target - B (ext/), the output back to the device for the
+        next layer; the choices gathered and copied into the rows' idle regions."""
+        onc = on.cpu()
+        prefix = (target - self.block_size).clamp(min=0)
+        keep = self.next_keep(prefix).cpu() * onc
+        attend = view.host_attend(target.cpu().clamp(max=view.capacity) * onc, keep, prefix.cpu() * onc)
+        host.model(self.representative_forward(on, target, target, self.config.query, view.capacity), attend)
+        view.place(view.gathered(onc, keep, attend.chosen))
 
     def next_keep(self, prefix: torch.Tensor) -> torch.Tensor:
         """[B] positions a prepared selection keeps before the block at `prefix` (which it appends whole): the
@@ -370,21 +390,30 @@ class HeraldPolicy(MagePolicy):
         queries of the blocks at `target` [n] (query "center": its centre one; "block": all) of the rows where `on`
         [n] is True, which see the keys [0, context) ([n]; with `draft`, the block before `target` read from the
         draft region) and themselves: one forward, writing nothing."""
-        kv, Bk, n = host.kv, self.block_size, on.shape[0]
-        dev = on.device
+        kv, n = host.kv, on.shape[0]
+        q = 1 if query == "center" else self.block_size
+        stats = torch.zeros(len(self.layers), n, self.kv_heads, kv.capacity + q, device=on.device)
+        fwd = self.representative_forward(on, target, context, query, kv.capacity, stats)
+        host.model(fwd, host.kv.retrieval_rows(0, n, target - self.block_size if draft else None))
+        return stats
+
+    def representative_forward(self, on: torch.Tensor, target: torch.Tensor, context: torch.Tensor, query: str,
+                               capacity: int, stats: torch.Tensor | None = None) -> Forward:
+        """The retrieval's forward: the [MASK] queries of the blocks at `target` (centre or all) of the rows where
+        `on`, seeing the keys [0, context) and themselves, writing nothing; `stats` collects each selecting layer's
+        per-KV-head mass."""
+        Bk, n, dev = self.block_size, on.shape[0], on.device
         q = 1 if query == "center" else Bk
         offsets = torch.full((q,), Bk // 2, device=dev) if q == 1 else torch.arange(Bk, device=dev)
-        positions = (target[:, None] + offsets).clamp(max=kv.capacity - 1)
+        positions = (target[:, None] + offsets).clamp(max=capacity - 1)
         live = on[:, None].expand(n, q)
-        stats = torch.zeros(len(self.layers), n, self.kv_heads, kv.capacity + q, device=dev)
-        spec = AttentionSpec(BlockCausal(q), prefix_len=context.clamp(max=kv.capacity), stats=stats,
-                             stats_queries=live, stats_layers=self.layers)
+        spec = AttentionSpec(BlockCausal(q), prefix_len=context.clamp(max=capacity), stats=stats,
+                             stats_queries=live if stats is not None else None,
+                             stats_layers=self.layers if stats is not None else None)
         mask = torch.full((n, q), self.mask_id, dtype=torch.long, device=dev)
-        fwd = Forward(mask, positions, spec, kv_write=None, logits_at=torch.zeros(n, 1, dtype=torch.long, device=dev),
-                      logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=dev),
-                      route_groups=route_groups(positions, Bk, live, copy=1))
-        host.model(fwd, host.kv.retrieval_rows(0, n, target - Bk if draft else None))
-        return stats
+        return Forward(mask, positions, spec, kv_write=None, logits_at=torch.zeros(n, 1, dtype=torch.long, device=dev),
+                       logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=dev),
+                       route_groups=route_groups(positions, Bk, live, copy=1))
 
 
 def int8_copy(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -51,14 +51,30 @@ def test_whole_budget_is_dense_threshold(model, form):
         assert [(r.output_ids, r.steps) for r in got] == dense
 
 
-@pytest.mark.parametrize("scratch", [1, 2, 4])
-def test_host_pool_whole_budget_is_dense_threshold(model, scratch):
-    """Whatever number of scratch caches (1: requests wait for one to prefill), batched or alone."""
+HOST_FORMS = [HOST | {"scratch": 1}, HOST | {"scratch": 4}, {"pool": "host", "scratch": 2},
+              {"pool": "host", "query": "block"}, {"pool": "host", "lookahead": "none"}]
+
+
+@pytest.mark.parametrize("form", HOST_FORMS, ids=["scan-1", "scan-4", "forward-2", "forward-block", "none"])
+def test_host_pool_whole_budget_is_dense_threshold(model, form):
+    """The scan and the retrieval forward (layer by layer, attention on the CPU) over the host pool, whatever number
+    of scratch caches (1: requests wait for one to prefill), batched or alone."""
     ps = prompts(model.config.vocab_size)
     dense = [(r.output_ids, r.steps) for r in run(model, DENSE, 3, ps)]
     for batch in (1, 3):
-        got = run(model, DENSE | {"name": "herald", "budget": 1.0, "scratch": scratch} | HOST, batch, ps)
+        got = run(model, DENSE | {"name": "herald", "budget": 1.0} | form, batch, ps)
         assert [(r.output_ids, r.steps) for r in got] == dense
+
+
+@pytest.mark.parametrize("form", HOST_FORMS[2:], ids=["forward", "forward-block", "none"])
+def test_host_pool_forward_batched_equals_alone(model, form):
+    """The retrieval forward's CPU attention ranks by the pool's keys (the query's own key is not in the pool, so its
+    choices may differ from the device form's); batched == alone, and not MAGE's selections."""
+    ps = prompts(model.config.vocab_size)
+    policy = DENSE | {"name": "herald", "budget": 0.3} | form
+    batched = [r.output_ids for r in run(model, policy, 3, ps)]
+    assert batched == [run(model, policy, 1, [p])[0].output_ids for p in ps]
+    assert batched != [r.output_ids for r in run(model, DENSE | {"name": "mage", "budget": 0.3}, 3, ps)]
 
 
 def test_host_pool_selects_what_the_device_scan_selects(model):
@@ -118,7 +134,7 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"lookahead": "later"}, "lookahead"),
     ({"budget": 0.0}, r"budget: must be within \(0, 1\]"),
     ({"retrieval": "scan", "lookahead": "none"}, "retrieval: scan takes the centre query from the draft step"),
-    ({"pool": "host"}, "pool: host scans the host pool's keys on the CPU"),
+    ({"pool": "host", "retrieval": "scan", "scan_keys": "int8"}, "pool: host scans the host pool.s keys as they are"),
     ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
@@ -136,7 +152,7 @@ def test_compiled_equals_eager(model, compile_kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 @pytest.mark.parametrize("budget", [1.0, 0.3])
-@pytest.mark.parametrize("form", [{}, HOST], ids=["device", "host-pool"])
+@pytest.mark.parametrize("form", [{}, HOST, {"pool": "host"}], ids=["device", "host-scan", "host-forward"])
 def test_captured_equals_eager_on_the_gpu(tmp_path, budget, form):
     """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
     retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold. The host

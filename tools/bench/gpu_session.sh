@@ -220,11 +220,13 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
   timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
-  for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_host}; do  # herald_host: the host pool
+  # herald_host: the host pool with the K-only scan; herald_hostfwd: with the retrieval forward (HERALD as published)
+  for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_host herald_hostfwd}; do
     sets="--set policy.name=${p%%_*}"
     [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
     [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
+    [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
       $sets --prompt-len ${HERALD_CONTEXTS:-16384,32768} --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
