@@ -15,8 +15,8 @@
 # (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml),
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
-# herald (issue 27: mage / herald GPU tests, selection recall and exact match on the yardstick's 4K / 8K retrieval,
-# then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and herald at budget 5 %, same call)
+# herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
+# herald's forms at budget 5 %, same call), heraldq (selection recall and exact match on the yardstick's 8K / 4K retrieval)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -231,6 +231,8 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
       $sets --prompt-len ${HERALD_CONTEXTS:-16384,32768} --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
+fi
+if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-8k 4k}; do
     timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
       --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
