@@ -29,10 +29,13 @@ layer, KV head and channel) would give them back.
 The keep count is min(ceil(budget x (prefix + B)), prefix): the budget's share of the next block's prefix, before
 the block appended whole (so a prepared pool holds up to B more keys than MAGE's at the same budget).
 
-Here the full cache stays on the device and the retrieval runs on the main stream between steps (exact, and what the
-CPU tests check). HERALD's system form (the full pool in pinned host memory, the representative query's attention
-and top-k through ext/ on the CPU, the retrieval on its own stream overlapping the main steps) changes where this
-work runs, not what it selects.
+`pool: device` keeps the full cache on the device and runs the retrieval on the main stream between steps. `pool:
+host` is HERALD's system form (kv/offload.py): the selecting layers' full cache in pinned host memory, the draft and
+each completed block copied there from a per-slot block buffer, the retrieval on the CPU through ext/ (the scan on the
+host worker while the device steps, placed at the row's boundary; or the forward with each selecting layer's
+attention and top-k on the CPU), and a scratch device cache per row from admission to its first prepared selection.
+Its CPU attention normalises over the pool's keys (the query's own key is on the device), so its choices may differ
+from the device form's at near-ties; with budget 1.0 both give dense `threshold`'s tokens.
 """
 from __future__ import annotations
 
