@@ -45,11 +45,16 @@ class PoolLayer:
     length: torch.Tensor | None
     base: torch.Tensor
     span: int
+    keys: torch.Tensor | None = None       # `keys: device`: the layer's full key cache, written too
+    key_base: torch.Tensor | None = None   # [B] its row of position 0 per row (spare at + key_span)
+    key_span: int = 0
 
     def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = self.base[:, None] + torch.where(index < 0, self.span, index % self.span)
         self.k.index_put_((rows,), k)
         self.v.index_put_((rows,), v)
+        if self.keys is not None:
+            self.keys.index_put_((self.key_base[:, None] + torch.where(index < 0, self.key_span, index),), k)
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,15 @@ class _Lender:
 class OffloadKV:
     """The store (kv/store.KVStore) over slots [first, first + n)."""
 
-    def __init__(self, k: list, v: list, host_k: list, host_v: list, dense_layers: int, size: OffloadSize,
+    def __init__(self, k: list, v: list, host_k: list | None, host_v: list, dense_layers: int, size: OffloadSize,
                  index: torch.Tensor, length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor,
-                 lender: _Lender, first: int = 0, n: int | None = None):
-        self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v  # host_*: one per selecting layer
+                 lender: _Lender, kfull: list | None = None, next_pos: torch.Tensor | None = None, first: int = 0,
+                 n: int | None = None):
+        # host_*: one per selecting layer; with `keys: device` no host keys, and kfull: each selecting layer's full key
+        # cache on the device (slot s, position p at s * (capacity + 1) + p) with next_pos [L, slots, KVH, P], the
+        # positions the device scan chose last
+        self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v
+        self.kfull, self.next_pos = kfull, next_pos
         self.dense_layers, self.size = dense_layers, size
         self.index, self.length, self.region, self.kept, self.lender = index, length, region, kept, lender
         self.first, self.n = first, size.slots - first if n is None else n
@@ -140,6 +150,19 @@ class OffloadKV:
     def _block_base(self) -> torch.Tensor:
         return self.size.block_rows + self._slots() * (self.size.block + 1)
 
+    def _key_base(self) -> torch.Tensor:
+        return self._slots() * (self.capacity + 1)
+
+    def _key_args(self, i: int) -> dict:
+        if self.kfull is None:
+            return {}
+        return {"keys": self.kfull[i - self.dense_layers], "key_base": self._key_base(), "key_span": self.capacity}
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """[n, capacity, KVH, D]: a selecting layer's full key cache on the device (`keys: device`)."""
+        s, t = self.size, self.kfull[layer - self.dense_layers]
+        return t.view(s.slots, s.capacity + 1, *t.shape[1:])[self._rows(), :-1]
+
     def _selection_index(self, region: torch.Tensor) -> torch.Tensor:
         j = torch.arange(self.capacity, device=self.device)
         return self._region_base(region)[:, None] + j.clamp(max=self.per_row - 1)  # past P: never read
@@ -149,11 +172,13 @@ class OffloadKV:
         if i < self.dense_layers:
             return CacheLayer(self._dense_full(self.k[i]), self._dense_full(self.v[i]))
         r = self._rows()
-        return PoolLayer(self.k[i], self.v[i], self.index[r], self.length[r], self._block_base(), self.size.block)
+        return PoolLayer(self.k[i], self.v[i], self.index[r], self.length[r], self._block_base(), self.size.block,
+                         **self._key_args(i))
 
     def rows(self, start: int, end: int, indexed: bool | None = None) -> "OffloadKV":
         return OffloadKV(self.k, self.v, self.host_k, self.host_v, self.dense_layers, self.size, self.index,
-                         self.length, self.region, self.kept, self.lender, self.first + start, end - start)
+                         self.length, self.region, self.kept, self.lender, self.kfull, self.next_pos,
+                         self.first + start, end - start)
 
     def prefill_rows(self, start: int, end: int) -> "ScratchView":
         return ScratchView(self.rows(start, end))
@@ -249,7 +274,7 @@ class OffloadKV:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for j, layer in enumerate(self.selecting_layers):
-                    for t, host in ((self.k[layer], self.host_k[j]), (self.v[layer], self.host_v[j])):
+                    for t, host in self._host_pairs(j, layer):
                         for h in range(host.shape[1]):  # contiguous host rows: the copy stays asynchronous
                             host[s, h, :p].copy_(t[base : base + p, h], non_blocking=stream is not None)
             if stream is not None:
@@ -264,8 +289,13 @@ class OffloadKV:
             src = self.size.block_rows + s * (B + 1) + (start + torch.arange(B, device=self.device)) % B
             end = min(start + B, self.capacity)
             for j, layer in enumerate(self.selecting_layers):
-                for t, host in ((self.k[layer], self.host_k[j]), (self.v[layer], self.host_v[j])):
+                for t, host in self._host_pairs(j, layer):
                     host[s, :, start:end].copy_(t[src[: end - start]].transpose(0, 1))
+
+    def _host_pairs(self, j: int, layer: int) -> tuple:
+        """(device tensor, host pool) of selecting layer j's keys (unless they stay on the device) and values."""
+        v = (self.v[layer], self.host_v[j])
+        return (v,) if self.host_k is None else ((self.k[layer], self.host_k[j]), v)
 
     def retrieve(self, slots: list[int], q: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor,
                  keep: torch.Tensor, threads: int = 0) -> None:
@@ -303,7 +333,7 @@ class OffloadKV:
     @property
     def fused(self) -> bool:
         """Whether the host pool goes through ext/'s fused kernel (bf16 pools, the extension built)."""
-        return self.host_k[0].dtype == torch.bfloat16 and cpu_select.extension_available()
+        return self.host_v[0].dtype == torch.bfloat16 and cpu_select.extension_available()
 
     def gathered(self, on: torch.Tensor, keep: torch.Tensor, chosen: list[torch.Tensor], threads: int = 0
                  ) -> "Scanned":
@@ -337,11 +367,45 @@ class OffloadKV:
         idle = 1 - self.region[view._rows()]
         for layer, part in zip(self.selecting_layers, scanned.staged):
             dest = view._region_base(idle)[:, None] + torch.arange(part.shape[3], device=self.device)  # [n, k]
-            for t, x in ((self.k[layer], part[0]), (self.v[layer], part[1])):
+            for t, x in zip((self.k[layer], self.v[layer])[2 - part.shape[0]:], part):  # [K, V] or [V]
                 new = x.to(self.device, non_blocking=True).transpose(1, 2).to(t.dtype)  # [n, k, KVH, D]
                 t[dest] = torch.where(on[:, None, None, None], new, t[dest])
         r = view._rows()
         self.kept[r] = torch.where(on, scanned.keep.to(self.device), self.kept[r])
+
+    def select_next_keys(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor,
+                         keep: torch.Tensor) -> None:
+        """`keys: device`: the positions a device scan ranked (as SparseKV.select_next ranks them) into next_pos, their
+        keys from the device key cache into the rows' idle regions, kept := keep; the values follow from the host
+        pool (`values_scan`, `place`)."""
+        chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
+        r = self._rows()
+        self.next_pos[:, r] = torch.where(rows[None, :, None, None], chosen, self.next_pos[:, r])
+        idle = 1 - self.region[r]
+        heads = torch.arange(chosen.shape[2], device=self.device)[None, :, None]
+        dest = (self._region_base(idle)[:, None, None] + torch.arange(self.per_row, device=self.device)).transpose(1, 2)
+        for j, layer in enumerate(self.selecting_layers):
+            t = self.k[layer]
+            picked = self.kfull[j][self._key_base()[:, None, None] + chosen[j], heads].transpose(1, 2)
+            t[dest, heads.transpose(1, 2)] = torch.where(rows[:, None, None, None], picked,
+                                                          t[dest, heads.transpose(1, 2)])
+        self.kept[r] = torch.where(rows, keep, self.kept[r])
+
+    def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor) -> "Scanned":
+        """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
+        host pool for `slots`, as a Scanned of values only."""
+        n = chosen.shape[1]
+        on = torch.zeros(n, dtype=torch.bool)
+        on[[s - self.first for s in slots]] = True
+        for s in slots:
+            event = self.lender.pending.get(s)
+            if event is not None:
+                event.synchronize()
+        rows = slice(self.first, self.first + n)
+        b, h = torch.arange(n)[:, None, None], torch.arange(chosen.shape[2])[None, :, None]
+        staged = [self.host_v[j][rows][b, h, chosen[j].clamp(max=self.capacity - 1)][None]
+                  for j in range(len(self.selecting_layers))]
+        return Scanned(self.first, on, keep, staged)
 
     def copy_idle(self, src: int, dst: int) -> None:
         """Slot src's idle region and kept count to slot dst (a selection placed after the slot moved)."""
@@ -367,8 +431,13 @@ class OffloadKV:
                         t[a._region_base(reg)[:, None] + torch.arange(s.per_row, device=self.device)]
                 t[b._block_base()[0] : b._block_base()[0] + s.block + 1] = \
                     t[a._block_base()[0] : a._block_base()[0] + s.block + 1]
-            for host in (self.host_k[j], self.host_v[j]):
+            for _, host in self._host_pairs(j, layer):
                 host[dst, :, :length] = host[src, :, :length]
+            if self.kfull is not None:
+                cap = s.capacity + 1
+                self.kfull[j][dst * cap : dst * cap + length] = self.kfull[j][src * cap : src * cap + length]
+        if self.next_pos is not None:
+            self.next_pos[:, dst] = self.next_pos[:, src]
         lend = self.lender
         if lend.held[dst] is not None:
             self.release(dst)
@@ -463,7 +532,7 @@ class ScratchView:
             return kv.layer(i)
         base = kv._scratch_base()
         index = base[:, None] + torch.arange(kv.capacity, device=kv.device)
-        return PoolLayer(kv.k[i], kv.v[i], index, None, base, kv.capacity)
+        return PoolLayer(kv.k[i], kv.v[i], index, None, base, kv.capacity, **kv._key_args(i))
 
 
 def host_pool(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -491,6 +560,7 @@ class OffloadLayout:
     per_row: int
     block: int
     scratch: int
+    keys_on_device: bool = False  # HERALD's variant 5c: every key stays on the device, only values in the host pool
 
     @property
     def size(self) -> OffloadSize:
@@ -505,9 +575,12 @@ class OffloadLayout:
         f, s, per = self.full, self.size, self._row_bytes()
         dev = torch.device(f.device)
         sel = f.num_layers - self.dense_layers
+        keys = per // 2 * sel * f.slots * (f.capacity + 1) if self.keys_on_device else 0
+        host = per * sel * f.slots * f.capacity // (2 if self.keys_on_device else 1)
         return [Tier("device KV cache (dense layers)", dev, per * self.dense_layers * f.slots * (f.capacity + 1)),
                 Tier("device scratch, selections, block buffers", dev, per * sel * s.rows),
-                Tier("host KV pool", torch.device("cpu"), per * sel * f.slots * f.capacity)]
+                *([Tier("device key cache", dev, keys)] if keys else []),
+                Tier("host KV pool", torch.device("cpu"), host)]
 
     def allocate(self) -> OffloadKV:
         f, s = self.full, self.size
@@ -519,11 +592,17 @@ class OffloadLayout:
             k.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
             v.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
         sel = f.num_layers - self.dense_layers
-        pool = host_pool((2, sel, f.slots, f.kv_heads, f.capacity, f.head_dim), f.dtype, pin)
-        host_k, host_v = list(pool[0]), list(pool[1])
+        kinds = 1 if self.keys_on_device else 2
+        pool = host_pool((kinds, sel, f.slots, f.kv_heads, f.capacity, f.head_dim), f.dtype, pin)
+        host_k, host_v = (None if self.keys_on_device else list(pool[0])), list(pool[-1])
+        kfull = next_pos = None
+        if self.keys_on_device:
+            kfull = [torch.zeros(f.slots * (f.capacity + 1), f.kv_heads, f.head_dim, dtype=f.dtype, device=dev)
+                     for _ in range(sel)]
+            next_pos = torch.zeros(sel, f.slots, f.kv_heads, self.per_row, dtype=torch.long, device=dev)
         zeros = lambda: torch.zeros(f.slots, dtype=torch.long, device=dev)  # noqa: E731
         index = torch.zeros(f.slots, f.capacity, dtype=torch.long, device=dev)
         kv = OffloadKV(k, v, host_k, host_v, self.dense_layers, s, index, zeros(), zeros(), zeros(),
-                       _Lender(s.scratch, f.slots, dev))
+                       _Lender(s.scratch, f.slots, dev), kfull, next_pos)
         kv.index.copy_(kv._selection_index(kv.region))  # nothing read before a row's first step sets it
         return kv

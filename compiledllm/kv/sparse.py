@@ -116,6 +116,10 @@ class SparseKV:
         start = s.full_rows + s.regions * s.slots * s.per_row
         return t[start:].view(s.slots, s.draft, *t.shape[1:])[self._rows()]
 
+    def keys(self, layer: int) -> torch.Tensor:
+        """[n, capacity, KVH, D]: a layer's cached keys (what HERALD's scan scores)."""
+        return self.full(self.k[layer])[:, :-1]
+
     def _full_index(self) -> torch.Tensor:
         return self._slots() * (self.capacity + 1) + torch.arange(self.capacity, device=self.device)
 

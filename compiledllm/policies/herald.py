@@ -69,6 +69,9 @@ class HeraldConfig(MageConfig):
     # device full caches lent to rows from admission until their first prepared selection
     pool: Literal["device", "host"] = "device"
     scratch: int = 4
+    # pool: host, retrieval: scan: where the keys stay ("host": in the pool with the values; "device": every key on
+    # the device, scanned there once per block, only the values in the host pool: HERALD's variant 5c)
+    keys: Literal["host", "device"] = "host"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +94,11 @@ class HeraldConfig(MageConfig):
             raise ValueError("pool: host scans the host pool's keys as they are (scan_keys: exact)")
         if self.scratch < 1:
             raise ValueError(f"scratch: must be >= 1, got {self.scratch}")
+        if self.keys not in ("host", "device"):
+            raise ValueError(f"keys: must be host or device, got {self.keys!r}")
+        if self.keys == "device" and (self.pool != "host" or self.retrieval != "scan"):
+            raise ValueError("keys: device keeps the keys of a host pool on the device for its scan (pool: host, "
+                             "retrieval: scan)")
 
 
 class HeraldPolicy(MagePolicy):
@@ -111,13 +119,17 @@ class HeraldPolicy(MagePolicy):
     def host_pool(self) -> bool:
         return self.config.pool == "host"
 
+    @property
+    def device_keys(self) -> bool:
+        return self.config.keys == "device"
+
     def kv_layout(self, model, slots, capacity):
         super().kv_layout(model, slots, capacity)  # checks dense_layers, sets the selecting layers
         Bk = self.block_size
         per_row = SparseLayout.budget_rows(self.config.budget, capacity, extra=Bk)
         if self.host_pool:
             return OffloadLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, Bk,
-                                 self.config.scratch)
+                                 self.config.scratch, keys_on_device=self.device_keys)
         return SparseLayout(DeviceKV.for_model(model, slots, capacity), self.config.dense_layers, per_row, regions=2,
                             draft=Bk if self.lookahead and not self.scan else 0)
 
@@ -179,7 +191,7 @@ class HeraldPolicy(MagePolicy):
     def after_forward(self, phase, st, fwd, upd, kv):
         if phase == "select":
             self.select(st, st.active & (upd.advance > 0), kv)
-        if phase == "draft" and self.scan and not self.host_pool:  # the host pool's scan: after_step, on the CPU
+        if phase == "draft" and self.scan and (self.device_keys or not self.host_pool):  # else: on the CPU
             self.scan_select(st, upd, kv)
         # a retired block's row: the boundary host hook (on_blocks) swaps its pools or has it read the full prefix
 
@@ -188,19 +200,21 @@ class HeraldPolicy(MagePolicy):
         [0, block end), the block's being the draft's this forward wrote; the mass of the prefix before the block
         ranks it, and the choice goes to the idle region (as the retrieval's does)."""
         drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
-        kv.select_next(drafted, self.scan_mass(st, kv), st.block_start, self.next_keep(st.block_start))
+        select = kv.select_next_keys if self.device_keys else kv.select_next
+        select(drafted, self.scan_mass(st, kv), st.block_start, self.next_keep(st.block_start))
 
-    def scan_mass(self, st, kv, keys_form: str | None = None) -> torch.Tensor:
-        """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, block end) of the captured centre
-        query's scores, summed over each KV head's query heads (keys_form: scan_keys, default the config's)."""
+    def scan_mass(self, st, kv, keys_form: str | None = None, end: torch.Tensor | None = None) -> torch.Tensor:
+        """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, end) (default: the block's end) of
+        the captured centre query's scores, summed over each KV head's query heads (keys_form: scan_keys, default the
+        config's)."""
         int8 = (keys_form or self.config.scan_keys) == "int8"
-        end = st.block_start + self.block_size
+        end = st.block_start + self.block_size if end is None else end
         keys = torch.arange(kv.capacity, device=end.device)
         q = st.policy["rep_q"]  # [B, L, H, D]
         B, L, H, D = q.shape
         mass = []
         for j, layer in enumerate(self.layers):
-            k = kv.full(kv.k[layer])[:, :-1]  # [B, capacity, KVH, D], the cache's dtype (no float32 copy of it)
+            k = kv.keys(layer)  # [B, capacity, KVH, D], the cache's dtype (no float32 copy of it)
             if int8:
                 k = int8_copy(k.float(), keys[None, :, None, None] < end[:, None, None, None])
             qj = q[:, j].view(B, self.kv_heads, H // self.kv_heads, D).to(k.dtype)
@@ -242,7 +256,9 @@ class HeraldPolicy(MagePolicy):
             if self.host_pool:  # the draft's K/V to the host pool, then the retrieval over it
                 starts = host.st.block_start.tolist()
                 host.kv.offload_block(drafted, [starts[s] for s in drafted])
-                if self.scan:  # on the worker thread (a CPU model waits for it: the same cores would run both)
+                if self.device_keys:  # the device scan chose in the step's hook: the values, on the worker thread
+                    self.host_values(host, drafted, wait=not host.st.seq.is_cuda)
+                elif self.scan:  # on the worker thread (a CPU model waits for it: the same cores would run both)
                     self.host_retrieve(host, drafted, host.st.block_start, wait=not host.st.seq.is_cuda)
                 else:
                     self.retrieve(host, drafted, draft=True)
@@ -288,7 +304,13 @@ class HeraldPolicy(MagePolicy):
         unprepared = [s for s in boundary if not h["ready"][s]]
         stale = [s for s in unprepared if not kv.holds_scratch(s)]
         if stale:  # (the forward retrieval: with the completed block, as without lookahead)
-            if self.scan:
+            if self.device_keys:
+                n = max(stale) + 1
+                view, prefix = kv.rows(0, n), st.block_start[:n] - Bk
+                mass = self.scan_mass(_Rows(st, n), view, end=st.block_start[:n])
+                view.select_next_keys(_mask(st.active[:n], stale), mass, prefix, self.next_keep(prefix))
+                self.host_values(host, stale, wait=True)
+            elif self.scan:
                 self.host_retrieve(host, stale, st.block_start - Bk)
             else:
                 self.retrieve(host, stale, draft=False)
@@ -315,6 +337,18 @@ class HeraldPolicy(MagePolicy):
         h["scans"] += 1
         job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
                                  self.next_keep(prefix))
+        for s in rows:
+            h["pending"][s] = job
+        if wait:
+            self.host_place(host, job)
+
+    def host_values(self, host, rows: list[int], wait: bool) -> None:
+        """`keys: device`: the values of the positions the device scan chose for `rows`, gathered from the host pool
+        on the worker thread, placed at the rows' boundaries (`wait`: now)."""
+        n, h = max(rows) + 1, self._rows(host)
+        view = host.kv.rows(0, n)
+        job = host.worker.submit(view.values_scan, rows, host.kv.next_pos[:, :n].cpu(), host.kv.kept[:n].cpu())
+        h["scans"] += 1
         for s in rows:
             h["pending"][s] = job
         if wait:
@@ -424,6 +458,13 @@ def int8_copy(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     ([B, S, 1, 1]) keys / 127, values rounded to the nearest step."""
     scale = (k.abs() * valid).amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
     return torch.round(k / scale).clamp(-127, 127) * scale
+
+
+class _Rows:
+    """The first n rows of a SlotState, as scan_mass reads it (block_start and the policy state)."""
+
+    def __init__(self, st, n: int):
+        self.block_start, self.policy = st.block_start[:n], {k: v[:n] for k, v in st.policy.items()}
 
 
 def _mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:

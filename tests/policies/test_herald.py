@@ -51,11 +51,13 @@ def test_whole_budget_is_dense_threshold(model, form):
         assert [(r.output_ids, r.steps) for r in got] == dense
 
 
+DEVICE_KEYS = HOST | {"keys": "device"}  # variant 5c: keys on the device (scanned there), values in the host pool
 HOST_FORMS = [HOST | {"scratch": 1}, HOST | {"scratch": 4}, {"pool": "host", "scratch": 2},
-              {"pool": "host", "query": "block"}, {"pool": "host", "lookahead": "none"}]
+              {"pool": "host", "query": "block"}, {"pool": "host", "lookahead": "none"}, DEVICE_KEYS | {"scratch": 2}]
 
 
-@pytest.mark.parametrize("form", HOST_FORMS, ids=["scan-1", "scan-4", "forward-2", "forward-block", "none"])
+@pytest.mark.parametrize("form", HOST_FORMS, ids=["scan-1", "scan-4", "forward-2", "forward-block", "none",
+                                                  "device-keys"])
 def test_host_pool_whole_budget_is_dense_threshold(model, form):
     """The scan and the retrieval forward (layer by layer, attention on the CPU) over the host pool, whatever number
     of scratch caches (1: requests wait for one to prefill), batched or alone."""
@@ -66,7 +68,7 @@ def test_host_pool_whole_budget_is_dense_threshold(model, form):
         assert [(r.output_ids, r.steps) for r in got] == dense
 
 
-@pytest.mark.parametrize("form", HOST_FORMS[2:], ids=["forward", "forward-block", "none"])
+@pytest.mark.parametrize("form", HOST_FORMS[2:5], ids=["forward", "forward-block", "none"])
 def test_host_pool_forward_batched_equals_alone(model, form):
     """The retrieval forward's CPU attention ranks by the pool's keys (the query's own key is not in the pool, so its
     choices may differ from the device form's); batched == alone, and not MAGE's selections."""
@@ -77,15 +79,17 @@ def test_host_pool_forward_batched_equals_alone(model, form):
     assert batched != [r.output_ids for r in run(model, DENSE | {"name": "mage", "budget": 0.3}, 3, ps)]
 
 
-def test_host_pool_selects_what_the_device_scan_selects(model):
-    """With every block drafted, the CPU scan over the host pool (float32: the torch form of the fused kernel's math)
-    makes the device scan's selections: the same tokens, batched == alone; and not MAGE's."""
+@pytest.mark.parametrize("form", [HOST, DEVICE_KEYS], ids=["cpu-scan", "device-keys"])
+def test_host_pool_selects_what_the_device_scan_selects(model, form):
+    """With every block drafted, the CPU scan over the host pool (float32: the torch form of the fused kernel's math),
+    or the device scan of the keys kept on the device with the values from the host pool, makes the device form's
+    selections: the same tokens, batched == alone; and not MAGE's."""
     ps = prompts(model.config.vocab_size)
     herald = DENSE | FIXED | {"name": "herald", "budget": 0.3, "retrieval": "scan"}
     device = [r.output_ids for r in run(model, herald, 3, ps)]
-    host = [r.output_ids for r in run(model, herald | HOST | {"scratch": 2}, 3, ps)]
+    host = [r.output_ids for r in run(model, herald | form | {"scratch": 2}, 3, ps)]
     assert host == device
-    assert host == [run(model, herald | HOST, 1, [p])[0].output_ids for p in ps]
+    assert host == [run(model, herald | form, 1, [p])[0].output_ids for p in ps]
     assert host != [r.output_ids for r in run(model, DENSE | FIXED | {"name": "mage", "budget": 0.3}, 3, ps)]
 
 
@@ -136,6 +140,7 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"retrieval": "scan", "lookahead": "none"}, "retrieval: scan takes the centre query from the draft step"),
     ({"pool": "host", "retrieval": "scan", "scan_keys": "int8"}, "pool: host scans the host pool.s keys as they are"),
     ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
+    ({"pool": "host", "keys": "device"}, "keys: device keeps the keys of a host pool on the device"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
     from compiledllm.policies import policy_config
@@ -152,7 +157,8 @@ def test_compiled_equals_eager(model, compile_kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 @pytest.mark.parametrize("budget", [1.0, 0.3])
-@pytest.mark.parametrize("form", [{}, HOST, {"pool": "host"}], ids=["device", "host-scan", "host-forward"])
+@pytest.mark.parametrize("form", [{}, HOST, {"pool": "host"}, DEVICE_KEYS],
+                         ids=["device", "host-scan", "host-forward", "device-keys"])
 def test_captured_equals_eager_on_the_gpu(tmp_path, budget, form):
     """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
     retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold. The host

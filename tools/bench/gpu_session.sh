@@ -222,8 +222,9 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   # the host pool's ablation: herald_hostmage (the B [MASK] queries' CPU attention at the boundary: MAGE-Offload's
   # selection on the CPU), herald_hostrep (+ one representative query), herald_hostfwd (+ the draft's lookahead:
-  # HERALD as published), herald_host (the K-only scan from the draft step instead of the retrieval forward)
-  for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host}; do
+  # HERALD as published), herald_host (the K-only scan from the draft step instead of the retrieval forward),
+  # herald_keys (variant 5c: every key on the device, scanned there; only the values in the host pool)
+  for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     sets="--set policy.name=${p%%_*}"
     [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
     [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
@@ -231,6 +232,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_hostrep ] && sets="$sets --set policy.pool=host --set policy.lookahead=none"
     [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
+    [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
       $sets --prompt-len ${HERALD_CONTEXTS:-16384,32768} --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
