@@ -8,6 +8,7 @@ schedule it). Prefill writes only its own rows' KV, so decoding rows keep their 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -24,11 +25,12 @@ class RunStats:
     prefill_s: float
     prefill_forwards: int
     decode_steps: int
-    decode_s: float
+    decode_s: float          # the decode steps and the host work around them (hooks_s)
     generated_tokens: int
     stalled_steps: int = 0   # decode steps whose rows first waited for a prefill forward of another request
     stall_s: float = 0.0     # the waiting, in total
     stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
+    hooks_s: float = 0.0     # host work around the steps: the policy's hooks, collecting results (part of decode_s)
     policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
 
 
@@ -45,6 +47,13 @@ class Counters:
     stalled_steps: int = 0
     stall_s: float = 0.0
     stall_max_s: float = 0.0
+    hooks_s: float = 0.0
+
+    def hooks(self, since: float) -> None:
+        """Host-hook time since `since` (perf_counter): counted as decode time too."""
+        dt = time.perf_counter() - since
+        self.hooks_s += dt
+        self.decode_s += dt
 
     def stalled(self, wait: float) -> None:
         self.stalled_steps += 1

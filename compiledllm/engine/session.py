@@ -184,23 +184,28 @@ class EngineSession:
             ready += self._prefill(prefilling, everyone=not decoding)
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
+        t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
         if ready:
             ready.sort()
             st.active[ready] = True
             policy.on_blocks(self.host, ready)
         decoding = sorted(decoding + ready)
         if not decoding:
+            self._counts.hooks(t)
             return events
         view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state)
         policy.before_step(self.host, view)
+        self._counts.hooks(t)
         t = time.perf_counter()
         self.stepper.run(1 + max(decoding), policy.schedule(view), st.selected)
         report = StepReport(*st.host_view())  # the one host sync of a step
         st.retired.zero_()
         self._counts.decode_s += time.perf_counter() - t
         self._counts.decode_steps += 1
+        t = time.perf_counter()
         policy.after_step(self.host, report)
         self._collect(decoding, report, events)
+        self._counts.hooks(t)
         return events
 
     def _cancellations(self, events: list[Event]) -> None:
