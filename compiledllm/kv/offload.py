@@ -30,7 +30,7 @@ import torch
 
 from compiledllm.kv import cpu_select
 from compiledllm.kv.cache import CacheLayer, Tier
-from compiledllm.kv.sparse import top_positions
+from compiledllm.kv.sparse import SelectionStore, top_positions
 from compiledllm.kv.store import DeviceKV
 
 
@@ -100,7 +100,7 @@ class _Lender:
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
 
 
-class OffloadKV:
+class OffloadKV(SelectionStore):
     """The store (kv/store.KVStore) over slots [first, first + n)."""
 
     def __init__(self, k: list, v: list, host_k: list | None, host_v: list, dense_layers: int, size: OffloadSize,
@@ -116,21 +116,6 @@ class OffloadKV:
         self.index, self.length, self.region, self.kept, self.lender = index, length, region, kept, lender
         self.first, self.n = first, size.slots - first if n is None else n
         self.device = index.device
-
-    @property
-    def capacity(self) -> int:
-        return self.size.capacity
-
-    @property
-    def per_row(self) -> int:
-        return self.size.per_row
-
-    @property
-    def selecting_layers(self) -> range:
-        return range(self.dense_layers, len(self.k))
-
-    def _rows(self) -> slice:
-        return slice(self.first, self.first + self.n)
 
     def _slots(self) -> torch.Tensor:
         return self.first + torch.arange(self.n, device=self.device)
@@ -311,13 +296,7 @@ class OffloadKV:
         ([2, n, KVH, max keep, D] per layer). bf16 pools go through the fused kernel (kv/cpu_select.py), others
         through the same math in torch. prefix, end, keep: [n] CPU tensors."""
         n = q.shape[0]
-        on = torch.zeros(n, dtype=torch.bool)
-        on[[s - self.first for s in slots]] = True
-        for s in slots:
-            event = self.lender.pending.get(s)
-            if event is not None:
-                event.synchronize()  # the prefix's copy into the host pool
-        rows = slice(self.first, self.first + n)
+        on, rows = self._ready(slots, n)
         prefix, end, keep = prefix * on, end.clamp(max=self.capacity) * on, keep * on
         H, D = q.shape[2], q.shape[3]
         chosen = []
@@ -391,17 +370,22 @@ class OffloadKV:
                                                           t[dest, heads.transpose(1, 2)])
         self.kept[r] = torch.where(rows, keep, self.kept[r])
 
-    def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor) -> "Scanned":
-        """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
-        host pool for `slots`, as a Scanned of values only."""
-        n = chosen.shape[1]
+    def _ready(self, slots: list[int], n: int) -> tuple[torch.Tensor, slice]:
+        """([n] bool: `slots` among the view's first n rows, their host-pool rows), once the slots' prefix copies into
+        the host pool have ended."""
         on = torch.zeros(n, dtype=torch.bool)
         on[[s - self.first for s in slots]] = True
         for s in slots:
             event = self.lender.pending.get(s)
             if event is not None:
                 event.synchronize()
-        rows = slice(self.first, self.first + n)
+        return on, slice(self.first, self.first + n)
+
+    def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor) -> "Scanned":
+        """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
+        host pool for `slots`, as a Scanned of values only."""
+        n = chosen.shape[1]
+        on, rows = self._ready(slots, n)
         b, h = torch.arange(n)[:, None, None], torch.arange(chosen.shape[2])[None, :, None]
         staged = [self.host_v[j][rows][b, h, chosen[j].clamp(max=self.capacity - 1)][None]
                   for j in range(len(self.selecting_layers))]

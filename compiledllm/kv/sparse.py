@@ -68,17 +68,15 @@ class Regions:
         return self.full_rows + self.slots * (self.regions * self.per_row + self.draft)
 
 
-class SparseKV:
-    """The store (kv/store.KVStore) over slots [first, first + n)."""
+class SelectionStore:
+    """What the stores with per-row selections share (SparseKV, kv/offload.OffloadKV): slots [first, first + n) of a
+    store whose `size` has the capacity and P, layers past `dense_layers` selecting."""
 
-    def __init__(self, k: list, v: list, dense_layers: int, size: Regions, index: torch.Tensor,
-                 length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor, first: int = 0,
-                 n: int | None = None):
-        self.k, self.v, self.dense_layers, self.size = k, v, dense_layers, size
-        # per slot: the rows read, how many, the selection region read (or read next), keys kept in a region
-        self.index, self.length, self.region, self.kept = index, length, region, kept
-        self.first, self.n = first, size.slots - first if n is None else n
-        self.device = index.device
+    size: Regions
+    k: list
+    dense_layers: int
+    first: int
+    n: int
 
     @property
     def capacity(self) -> int:
@@ -94,6 +92,19 @@ class SparseKV:
 
     def _rows(self) -> slice:
         return slice(self.first, self.first + self.n)
+
+
+class SparseKV(SelectionStore):
+    """The store (kv/store.KVStore) over slots [first, first + n)."""
+
+    def __init__(self, k: list, v: list, dense_layers: int, size: Regions, index: torch.Tensor,
+                 length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor, first: int = 0,
+                 n: int | None = None):
+        self.k, self.v, self.dense_layers, self.size = k, v, dense_layers, size
+        # per slot: the rows read, how many, the selection region read (or read next), keys kept in a region
+        self.index, self.length, self.region, self.kept = index, length, region, kept
+        self.first, self.n = first, size.slots - first if n is None else n
+        self.device = index.device
 
     def _slots(self) -> torch.Tensor:
         return self.first + torch.arange(self.n, device=self.device)[:, None]
