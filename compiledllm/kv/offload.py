@@ -270,12 +270,16 @@ class OffloadKV(SelectionStore):
     def offload_block(self, slots: list[int], block: list[int]) -> None:
         """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool."""
         B = self.size.block
-        for s, start in zip(slots, block):
-            src = self.size.block_rows + s * (B + 1) + (start + torch.arange(B, device=self.device)) % B
-            end = min(start + B, self.capacity)
-            for j, layer in enumerate(self.selecting_layers):
-                for t, host in self._host_pairs(j, layer):
-                    host[s, :, start:end].copy_(t[src[: end - start]].transpose(0, 1))
+        if not slots:
+            return
+        at = torch.tensor([[self.size.block_rows + s * (B + 1), start] for s, start in zip(slots, block)])
+        src = (at[:, :1] + (at[:, 1:] + torch.arange(B)) % B).to(self.device)  # [rows, B]
+        for j, layer in enumerate(self.selecting_layers):
+            for t, host in self._host_pairs(j, layer):
+                staged = t[src].cpu()  # one copy per layer for every row: [rows, B, KVH, D]
+                for i, (s, start) in enumerate(zip(slots, block)):
+                    end = min(start + B, self.capacity)
+                    host[s, :, start:end] = staged[i, : end - start].transpose(0, 1)
 
     def _host_pairs(self, j: int, layer: int) -> tuple:
         """(device tensor, host pool) of selecting layer j's keys (unless they stay on the device) and values."""
@@ -381,14 +385,19 @@ class OffloadKV(SelectionStore):
                 event.synchronize()
         return on, slice(self.first, self.first + n)
 
-    def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor) -> "Scanned":
+    def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor, threads: int = 0) -> "Scanned":
         """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
         host pool for `slots`, as a Scanned of values only."""
         n = chosen.shape[1]
         on, rows = self._ready(slots, n)
         b, h = torch.arange(n)[:, None, None], torch.arange(chosen.shape[2])[None, :, None]
-        staged = [self.host_v[j][rows][b, h, chosen[j].clamp(max=self.capacity - 1)][None]
-                  for j in range(len(self.selecting_layers))]
+        staged = []
+        for j in range(len(self.selecting_layers)):
+            hv, idx = self.host_v[j][rows], chosen[j].clamp(max=self.capacity - 1)
+            if self.fused:  # ext/'s gather, on at most `threads` cores (it copies the values twice: as K and as V)
+                staged.append(cpu_select.gather(hv, hv, idx.int(), threads=threads)[1:])
+            else:
+                staged.append(hv[b, h, idx][None])
         return Scanned(self.first, on, keep, staged)
 
     def copy_idle(self, src: int, dst: int) -> None:

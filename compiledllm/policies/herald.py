@@ -39,6 +39,7 @@ from the device form's at near-ties; with budget 1.0 both give dense `threshold`
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -336,7 +337,7 @@ class HeraldPolicy(MagePolicy):
 
         h["scans"] += 1
         job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
-                                 self.next_keep(prefix))
+                                 self.next_keep(prefix), _worker_threads())
         for s in rows:
             h["pending"][s] = job
         if wait:
@@ -347,7 +348,8 @@ class HeraldPolicy(MagePolicy):
         on the worker thread, placed at the rows' boundaries (`wait`: now)."""
         n, h = max(rows) + 1, self._rows(host)
         view = host.kv.rows(0, n)
-        job = host.worker.submit(view.values_scan, rows, host.kv.next_pos[:, :n].cpu(), host.kv.kept[:n].cpu())
+        job = host.worker.submit(view.values_scan, rows, host.kv.next_pos[:, :n].cpu(), host.kv.kept[:n].cpu(),
+                                 _worker_threads())
         h["scans"] += 1
         for s in rows:
             h["pending"][s] = job
@@ -458,6 +460,11 @@ def int8_copy(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     ([B, S, 1, 1]) keys / 127, values rounded to the nearest step."""
     scale = (k.abs() * valid).amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
     return torch.round(k / scale).clamp(-127, 127) * scale
+
+
+def _worker_threads() -> int:
+    """Cores for the host worker's scans: all but one, which the engine's thread keeps for launching the steps."""
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 class _Rows:

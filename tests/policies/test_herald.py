@@ -93,8 +93,10 @@ def test_host_pool_selects_what_the_device_scan_selects(model, form):
     assert host != [r.output_ids for r in run(model, DENSE | FIXED | {"name": "mage", "budget": 0.3}, 3, ps)]
 
 
-def test_host_pool_through_the_fused_kernel_in_bf16(tmp_path):
-    """bf16 pools go through ext/'s scan (a k and a rank length per request): the whole budget == dense threshold."""
+@pytest.mark.parametrize("form", [HOST, {"pool": "host"}, DEVICE_KEYS], ids=["scan", "forward", "device-keys"])
+def test_host_pool_through_the_fused_kernel_in_bf16(tmp_path, form):
+    """bf16 pools go through ext/ (the scan with a k and a rank length per request, the forward's fused attention +
+    top-k, the values' gather): the whole budget == dense threshold."""
     from compiledllm.kv import cpu_select
 
     if not cpu_select.extension_available():
@@ -105,7 +107,7 @@ def test_host_pool_through_the_fused_kernel_in_bf16(tmp_path):
                                dtype=torch.bfloat16)
     ps = prompts(m.config.vocab_size)
     dense = [(r.output_ids, r.steps) for r in run(m, DENSE, 3, ps)]
-    got = run(m, DENSE | {"name": "herald", "budget": 1.0, "scratch": 2} | HOST, 3, ps)
+    got = run(m, DENSE | {"name": "herald", "budget": 1.0, "scratch": 2} | form, 3, ps)
     assert [(r.output_ids, r.steps) for r in got] == dense
 
 
