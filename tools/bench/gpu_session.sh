@@ -16,7 +16,8 @@
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
-# herald's forms at budget 5 %, same call), heraldq (selection recall and exact match on the yardstick's 8K / 4K retrieval)
+# herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
+# context), heraldq (selection recall and exact match on the yardstick's 4K / 2K retrieval)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -234,12 +235,12 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
     [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
-      $sets --prompt-len ${HERALD_CONTEXTS:-16384,32768} --output-len 256 --batch ${HERALD_BATCHES:-1,8,32} \
+      $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch ${HERALD_BATCHES:-8,32,max} \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
-  for ctx in ${HERALD_QUALITY:-8k 4k}; do
+  for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
     timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
       --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
     timeout ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda --set model.dtype=bfloat16 \
