@@ -17,7 +17,8 @@
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
 # herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
-# context; HERALD_BATCHES=8,32,max probes each policy's largest batch), heraldq (selection recall and exact match on the yardstick's 4K / 2K retrieval)
+# context; HERALD_BATCHES=8,32,max probes each policy's largest batch), heraldq (selection recall and exact match on
+# the yardstick's 4K / 2K retrieval)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
