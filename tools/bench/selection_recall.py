@@ -41,7 +41,8 @@ from compiledllm.engine import Engine, EngineConfig  # noqa: E402
 from compiledllm.evaluate import load_tasks  # noqa: E402
 from compiledllm.policies import register_policy  # noqa: E402
 from compiledllm.attention.spec import AttentionSpec, BlockCausal  # noqa: E402
-from compiledllm.policies.herald import HeraldConfig, HeraldPolicy, _mask  # noqa: E402
+from compiledllm.policies.herald import HeraldConfig, HeraldPolicy  # noqa: E402
+from compiledllm.policies.herald_pool import row_mask  # noqa: E402
 from compiledllm.policies.infinigen import skew  # noqa: E402
 from compiledllm.policies.plan import Forward, route_groups  # noqa: E402
 
@@ -102,7 +103,7 @@ class ProbePolicy(HeraldPolicy):
         """After a draft step (the scan prepared the next pool already): the forward retrievals' rankings."""
         st, Bk = host.st, self.block_size
         n = max(rows) + 1
-        on = _mask(st.active[:n], rows)
+        on = row_mask(st.active[:n], rows)
         target = st.block_start[:n] + Bk
         host.kv.rows(0, n).stage_draft(on, target - Bk)
         ranks = {"herald-draft": self.representative_mass(host, on, target, target, True, "center"),
@@ -122,7 +123,7 @@ class ProbePolicy(HeraldPolicy):
         if boundary:
             n = max(boundary) + 1
             target = st.block_start[:n]
-            mass = self.representative_mass(host, _mask(st.active[:n], boundary), target, target, False, "center")
+            mass = self.representative_mass(host, row_mask(st.active[:n], boundary), target, target, False, "center")
             self._keep(host, boundary, target, {"herald-completed": mass})
         super().on_blocks(host, rows)
 
@@ -141,7 +142,7 @@ class ProbePolicy(HeraldPolicy):
         """The blocks beginning now, ranked as InfiniGen's speculation ranks them at their first step."""
         st, Bk = host.st, self.block_size
         n = max(rows) + 1
-        on = _mask(st.active[:n], rows)
+        on = row_mask(st.active[:n], rows)
         idx = st.block_start[:n, None] + torch.arange(Bk, device=on.device)
         tokens = st.seq[:n].gather(1, idx.clamp(max=st.seq.shape[1] - 1))
         queries = (tokens == self.mask_id) & on[:, None]

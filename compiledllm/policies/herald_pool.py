@@ -1,0 +1,136 @@
+"""`herald`'s host pool (`pool: host`, HERALD's system form; kv/offload.py): the hooks that copy between the device
+and the host pool, run the retrieval over the pool on the CPU (the scan on the host worker, or the forward with each
+selecting layer's attention on the CPU) and place its selections at a row's block boundary. Mixed into HeraldPolicy,
+whose algorithm (policies/herald.py) calls them where the device pool does its own work."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+class HostPool:
+    """HeraldPolicy's host-pool hooks (they use its config, host state, scan and retrieval forward)."""
+
+    def host_boundary(self, host, rows: list[int], boundary: list[int]) -> None:
+        """The host pool's part of a block boundary: the completed block's exact K/V to the host pool; an admitted
+        row's prefix too (on the side stream); a row with no prepared selection and no scratch cache left gets one
+        now, from the centre query of its last draft step (so it swaps like a prepared row); a row that still holds
+        its scratch cache reads its full prefix again (with the block it completed)."""
+        h, st, kv, Bk = self._rows(host), host.st, host.kv, self.block_size
+        starts = st.block_start.tolist()
+        if boundary:
+            kv.offload_block(boundary, [starts[s] - Bk for s in boundary])
+        admitted = [s for s in rows if s not in boundary]
+        if admitted:
+            kv.offload_prefix(admitted, [starts[s] for s in admitted], host.side_stream)
+        unprepared = [s for s in boundary if not h["ready"][s]]
+        stale = [s for s in unprepared if not kv.holds_scratch(s)]
+        if stale:  # (the forward retrieval: with the completed block, as without lookahead)
+            if self.device_keys:
+                n = max(stale) + 1
+                view, prefix = kv.rows(0, n), st.block_start[:n] - Bk
+                mass = self.scan_mass(_Rows(st, n), view, end=st.block_start[:n])
+                view.select_next_keys(row_mask(st.active[:n], stale), mass, prefix, self.next_keep(prefix))
+                self.host_values(host, stale, wait=True)
+            elif self.scan:
+                self.host_retrieve(host, stale, st.block_start - Bk)
+            else:
+                self.retrieve(host, stale, draft=False)
+            for s in stale:
+                h["ready"][s] = True
+        keep = [s for s in unprepared if kv.holds_scratch(s)]
+        if keep:
+            kv.rows(0, max(keep) + 1).block_to_scratch(keep, st.block_start - Bk, Bk)
+
+    def host_retrieve(self, host, rows: list[int], prefix: torch.Tensor, wait: bool = True) -> None:
+        """The CPU scan for `rows`: each selecting layer's centre query (from the row's last draft step) against the
+        host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, for the rows' idle regions; on
+        the worker thread, placed at the rows' boundaries (`wait`: placed now)."""
+        n, h = max(rows) + 1, self._rows(host)
+        prefix = prefix[:n].cpu()
+        view = host.kv.rows(0, n)
+
+        def scan(*args):
+            t = time.perf_counter()
+            out = view.scan(*args)
+            h["scan_s"] += time.perf_counter() - t
+            return out
+
+        h["scans"] += 1
+        job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
+                                 self.next_keep(prefix), _worker_threads())
+        for s in rows:
+            h["pending"][s] = job
+        if wait:
+            self.host_place(host, job)
+
+    def host_values(self, host, rows: list[int], wait: bool) -> None:
+        """`keys: device`: the values of the positions the device scan chose for `rows`, gathered from the host pool
+        on the worker thread, placed at the rows' boundaries (`wait`: now)."""
+        n, h = max(rows) + 1, self._rows(host)
+        view = host.kv.rows(0, n)
+        job = host.worker.submit(view.values_scan, rows, host.kv.next_pos[:, :n].cpu(), host.kv.kept[:n].cpu(),
+                                 _worker_threads())
+        h["scans"] += 1
+        for s in rows:
+            h["pending"][s] = job
+        if wait:
+            self.host_place(host, job)
+
+    def host_place(self, host, job) -> None:
+        """A scan job's selections into the idle regions of the rows still waiting for it (waits for the job; the
+        seconds waited add up in the host state's `stall_s`)."""
+        if job is None:
+            return
+        h = self._rows(host)
+        t = time.perf_counter()
+        scanned = job.result()
+        h["stall_s"] += time.perf_counter() - t
+        n = scanned.on.shape[0]
+        waiting = [s for s in range(n) if h["pending"][s] is job]
+        only = torch.zeros(n, dtype=torch.bool)
+        only[waiting] = True
+        host.kv.place(scanned, only)
+        for s in waiting:
+            h["pending"][s] = None
+
+    def host_stats(self, host) -> dict:
+        """The host pool's scans: how many, their CPU seconds (on the worker) and the seconds rows waited for them at
+        their boundaries (HERALD's pipeline stall)."""
+        h = host.state
+        if not self.host_pool or "scans" not in h:
+            return {}
+        return {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"]}
+
+    def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
+        """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative
+        query's q, k, v on the device, its attention over the host pool's [0, target) on the CPU fused with the choice
+        of each KV head's positions before the block at target - B (ext/), the output back to the device for the
+        next layer; the choices gathered and copied into the rows' idle regions."""
+        onc = on.cpu()
+        prefix = (target - self.block_size).clamp(min=0)
+        keep = self.next_keep(prefix).cpu() * onc
+        attend = view.host_attend(target.cpu().clamp(max=view.capacity) * onc, keep, prefix.cpu() * onc)
+        host.model(self.representative_forward(on, target, target, self.config.query, view.capacity), attend)
+        view.place(view.gathered(onc, keep, attend.chosen))
+
+
+def _worker_threads() -> int:
+    """Cores for the host worker's scans: all but one, which the engine's thread keeps for launching the steps."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+class _Rows:
+    """The first n rows of a SlotState, as scan_mass reads it (block_start and the policy state)."""
+
+    def __init__(self, st, n: int):
+        self.block_start, self.policy = st.block_start[:n], {k: v[:n] for k, v in st.policy.items()}
+
+
+def row_mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[len(like)] bool, True at `rows`."""
+    out = torch.zeros_like(like, dtype=torch.bool)
+    out[rows] = True
+    return out
