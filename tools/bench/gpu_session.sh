@@ -239,6 +239,9 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
       $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch ${HERALD_BATCHES:-8,32} \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
+  for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
+    python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
+  done
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
