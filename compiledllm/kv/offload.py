@@ -31,31 +31,8 @@ import torch
 from compiledllm.kv import cpu_select
 from compiledllm.kv.cache import CacheLayer, Tier
 from compiledllm.kv.host_attention import HostAttendView, host_attention
-from compiledllm.kv.sparse import SelectionStore, top_positions
+from compiledllm.kv.sparse import PoolLayer, SelectionStore, top_positions
 from compiledllm.kv.store import DeviceKV
-
-
-@dataclass(frozen=True)
-class PoolLayer:
-    """A layer's view (kv/cache.LayerKV) over a pool tensor: rows read through `index` [B, capacity] (and `length`
-    [B]; None: the forward's prefix_len); a write of position p goes to row base[b] + p % span (-1: base[b] + span)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    index: torch.Tensor
-    length: torch.Tensor | None
-    base: torch.Tensor
-    span: int
-    keys: torch.Tensor | None = None       # `keys: device`: the layer's full key cache, written too
-    key_base: torch.Tensor | None = None   # [B] its row of position 0 per row (spare at + key_span)
-    key_span: int = 0
-
-    def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = self.base[:, None] + torch.where(index < 0, self.span, index % self.span)
-        self.k.index_put_((rows,), k)
-        self.v.index_put_((rows,), v)
-        if self.keys is not None:
-            self.keys.index_put_((self.key_base[:, None] + torch.where(index < 0, self.key_span, index),), k)
 
 
 @dataclass(frozen=True)
@@ -211,16 +188,20 @@ class OffloadKV(SelectionStore):
         chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
         r = self._rows()
         region = self.region[r]
-        heads = torch.arange(chosen.shape[2], device=self.device)[None, :, None]
-        dest = self._region_base(region)[:, None, None] + torch.arange(self.per_row, device=self.device)
         for j, layer in enumerate(self.selecting_layers):
-            src = self._scratch_base()[:, None, None] + chosen[j]
             for t in (self.k[layer], self.v[layer]):
-                picked = t[src, heads].transpose(1, 2)
-                old = t[dest.transpose(1, 2), heads.transpose(1, 2)]
-                t[dest.transpose(1, 2), heads.transpose(1, 2)] = torch.where(rows[:, None, None, None], picked, old)
+                self._fill(t, rows, region, t, self._scratch_base(), chosen[j])
         self.index[r] = torch.where(rows[:, None], self._selection_index(region), self.index[r])
         self.length[r] = torch.where(rows, keep, self.length[r])
+
+    def _fill(self, t: torch.Tensor, rows: torch.Tensor, region: torch.Tensor, src: torch.Tensor, base: torch.Tensor,
+              chosen: torch.Tensor) -> None:
+        """For rows where `rows` [n]: region `region` [n] of t, KV head h's j-th key := src's row base[b] +
+        chosen[b, h, j] ([n, KVH, P] positions; the capacity: the spare row)."""
+        heads = torch.arange(chosen.shape[1], device=self.device)
+        dest = (self._region_base(region)[:, None] + torch.arange(self.per_row, device=self.device))[..., None]
+        picked = src[base[:, None, None] + chosen, heads[:, None]].transpose(1, 2)  # [n, P, KVH, D]
+        t[dest, heads] = torch.where(rows[:, None, None, None], picked, t[dest, heads])
 
     def swap(self, rows: torch.Tensor, block: torch.Tensor, size: int) -> None:
         """Rows where `rows` is True: append their block buffer (the block at `block` [n], `size` positions) to the
@@ -366,13 +347,8 @@ class OffloadKV(SelectionStore):
         r = self._rows()
         self.next_pos[:, r] = torch.where(rows[None, :, None, None], chosen, self.next_pos[:, r])
         idle = 1 - self.region[r]
-        heads = torch.arange(chosen.shape[2], device=self.device)[None, :, None]
-        dest = (self._region_base(idle)[:, None, None] + torch.arange(self.per_row, device=self.device)).transpose(1, 2)
         for j, layer in enumerate(self.selecting_layers):
-            t = self.k[layer]
-            picked = self.kfull[j][self._key_base()[:, None, None] + chosen[j], heads].transpose(1, 2)
-            t[dest, heads.transpose(1, 2)] = torch.where(rows[:, None, None, None], picked,
-                                                          t[dest, heads.transpose(1, 2)])
+            self._fill(self.k[layer], rows, idle, self.kfull[j], self._key_base(), chosen[j])
         self.kept[r] = torch.where(rows, keep, self.kept[r])
 
     def _ready(self, slots: list[int], n: int) -> tuple[torch.Tensor, slice]:

@@ -30,23 +30,27 @@ from compiledllm.kv.store import DeviceKV
 
 
 @dataclass(frozen=True)
-class SparseLayer:
-    """A layer's view (kv/cache.LayerKV) of rows [first, first + B) as a pool: the whole tensor, the rows' index and
-    length (None: the forward's prefix_len)."""
+class PoolLayer:
+    """A layer's view (kv/cache.LayerKV) over a pool tensor: rows read through `index` [B, capacity] (and `length`
+    [B]; None: the forward's prefix_len); a write of position p goes to row base[b] + p % span (-1: base[b] + span):
+    a full cache is span = capacity, a block buffer span = the block."""
 
-    k: torch.Tensor  # [N, KVH, D]
+    k: torch.Tensor
     v: torch.Tensor
-    index: torch.Tensor  # [B, capacity] pool rows of each row's visible keys
+    index: torch.Tensor
     length: torch.Tensor | None
-    first: int
-    capacity: int
+    base: torch.Tensor
+    span: int
+    keys: torch.Tensor | None = None       # `keys: device`: the layer's full key cache, written too
+    key_base: torch.Tensor | None = None   # [B] its row of position 0 per row (spare at + key_span)
+    key_span: int = 0
 
     def write(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """index [B, Q] positions (-1: not written) -> the rows' full cache."""
-        slot = self.first + torch.arange(index.shape[0], device=index.device)[:, None]
-        rows = slot * (self.capacity + 1) + torch.where(index < 0, self.capacity, index)
+        rows = self.base[:, None] + torch.where(index < 0, self.span, index % self.span)
         self.k.index_put_((rows,), k)
         self.v.index_put_((rows,), v)
+        if self.keys is not None:
+            self.keys.index_put_((self.key_base[:, None] + torch.where(index < 0, self.key_span, index),), k)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,8 @@ class SparseKV(SelectionStore):
         if i < self.dense_layers:
             return CacheLayer(self.full(self.k[i]), self.full(self.v[i]))
         r = self._rows()
-        return SparseLayer(self.k[i], self.v[i], self.index[r], self.length[r], self.first, self.capacity)
+        return PoolLayer(self.k[i], self.v[i], self.index[r], self.length[r], self._slots()[:, 0] * (self.capacity + 1),
+                         self.capacity)
 
     def rows(self, start: int, end: int, indexed: bool | None = None) -> "SparseKV":
         return SparseKV(self.k, self.v, self.dense_layers, self.size, self.index, self.length, self.region,
@@ -290,9 +295,9 @@ class RetrievalView:
             index = torch.where(inside, draft, index)
         self.index = index
 
-    def layer(self, i: int) -> SparseLayer:
+    def layer(self, i: int) -> PoolLayer:  # (a retrieval forward writes nothing)
         kv = self.kv
-        return SparseLayer(kv.k[i], kv.v[i], self.index, None, kv.first, kv.capacity)
+        return PoolLayer(kv.k[i], kv.v[i], self.index, None, kv._slots()[:, 0] * (kv.capacity + 1), kv.capacity)
 
 
 @dataclass(frozen=True)
