@@ -201,16 +201,15 @@ class HeraldPolicy(HostPool, MagePolicy):
         ranks it, and the choice goes to the idle region (as the retrieval's does)."""
         drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
         select = kv.select_next_keys if self.device_keys else kv.select_next
-        select(drafted, self.scan_mass(st, kv), st.block_start, self.next_keep(st.block_start))
+        mass = self.scan_mass(st.policy["rep_q"], st.block_start + self.block_size, kv)
+        select(drafted, mass, st.block_start, self.next_keep(st.block_start))
 
-    def scan_mass(self, st, kv, keys_form: str | None = None, end: torch.Tensor | None = None) -> torch.Tensor:
-        """[L, B, KVH, capacity]: per selecting layer, the softmax over the keys [0, end) (default: the block's end) of
-        the captured centre query's scores, summed over each KV head's query heads (keys_form: scan_keys, default the
-        config's)."""
+    def scan_mass(self, q: torch.Tensor, end: torch.Tensor, kv, keys_form: str | None = None) -> torch.Tensor:
+        """[L, B, KVH, capacity]: per selecting layer j, the softmax over the keys [0, end) ([B]) of the centre query's
+        scores (q [B, L, H, D]: its q in each selecting layer, captured in the draft step), summed over each KV
+        head's query heads (keys_form: scan_keys, default the config's)."""
         int8 = (keys_form or self.config.scan_keys) == "int8"
-        end = st.block_start + self.block_size if end is None else end
         keys = torch.arange(kv.capacity, device=end.device)
-        q = st.policy["rep_q"]  # [B, L, H, D]
         B, L, H, D = q.shape
         mass = []
         for j, layer in enumerate(self.layers):

@@ -31,7 +31,7 @@ class HostPool:
             if self.device_keys:
                 n = max(stale) + 1
                 view, prefix = kv.rows(0, n), st.block_start[:n] - Bk
-                mass = self.scan_mass(_Rows(st, n), view, end=st.block_start[:n])
+                mass = self.scan_mass(st.policy["rep_q"][:n], st.block_start[:n], view)
                 view.select_next_keys(row_mask(st.active[:n], stale), mass, prefix, self.next_keep(prefix))
                 self.host_values(host, stale, wait=True)
             elif self.scan:
@@ -120,13 +120,6 @@ class HostPool:
 def _worker_threads() -> int:
     """Cores for the host worker's scans: all but one, which the engine's thread keeps for launching the steps."""
     return max(1, (os.cpu_count() or 2) - 1)
-
-
-class _Rows:
-    """The first n rows of a SlotState, as scan_mass reads it (block_start and the policy state)."""
-
-    def __init__(self, st, n: int):
-        self.block_start, self.policy = st.block_start[:n], {k: v[:n] for k, v in st.policy.items()}
 
 
 def row_mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -95,7 +95,7 @@ class ProbePolicy(HeraldPolicy):
         if phase == "draft":  # the scan's mass, for the host (rows outside this phase keep theirs)
             rows = st.active[None, :, None, None]
             for key, form in (("scan", "exact"), ("scan_int8", "int8")):
-                scan = self.scan_mass(st, kv, form)
+                scan = self.scan_mass(st.policy["rep_q"], st.block_start + self.block_size, kv, form)
                 st.policy[key].copy_(torch.where(rows, scan, st.policy[key].transpose(0, 1)).transpose(0, 1))
 
     # --- the rankings --------------------------------------------------------------------------------------------
