@@ -23,7 +23,9 @@ tiers (`offload_prefix`, `offload_block`) and the CPU retrieval (`retrieve`) run
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,15 +69,26 @@ class OffloadSize:
         return self.block_rows + self.slots * (self.block + 1)
 
 
-class _Lender:
-    """Which scratch cache each slot holds (host lists, shared by every view of the store; the device copy `of`
-    [slots] is what captured steps read)."""
+class _Shared:
+    """The host-side state every view of the store shares: which scratch cache each slot holds (the device copy `of`
+    [slots] is what captured steps read), the prefix copies to the host pool in flight, and the block copies whose
+    device-to-host transfer is issued but not yet written into the pool (`writes`: whichever thread reads the pool
+    next writes them, under `lock`)."""
 
     def __init__(self, scratch: int, slots: int, device: torch.device):
         self.free = list(range(scratch))
         self.held: list[int | None] = [None] * slots
         self.of = torch.zeros(slots, dtype=torch.long, device=device)
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
+        self.writes: list[Callable[[], None]] = []
+        self.lock = threading.Lock()
+
+    def flush(self) -> None:
+        """Write every issued block copy into the host pool (waiting for its transfer)."""
+        with self.lock:
+            for write in self.writes:
+                write()
+            self.writes.clear()
 
 
 class OffloadKV(SelectionStore):
@@ -83,7 +96,7 @@ class OffloadKV(SelectionStore):
 
     def __init__(self, k: list, v: list, host_k: list | None, host_v: list, dense_layers: int, size: OffloadSize,
                  index: torch.Tensor, length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor,
-                 lender: _Lender, kfull: list | None = None, next_pos: torch.Tensor | None = None, first: int = 0,
+                 shared: _Shared, kfull: list | None = None, next_pos: torch.Tensor | None = None, first: int = 0,
                  n: int | None = None):
         # host_*: one per selecting layer; with `keys: device` no host keys, and kfull: each selecting layer's full key
         # cache on the device (slot s, position p at s * (capacity + 1) + p) with next_pos [L, slots, KVH, P], the
@@ -91,7 +104,7 @@ class OffloadKV(SelectionStore):
         self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v
         self.kfull, self.next_pos = kfull, next_pos
         self.dense_layers, self.size = dense_layers, size
-        self.index, self.length, self.region, self.kept, self.lender = index, length, region, kept, lender
+        self.index, self.length, self.region, self.kept, self.shared = index, length, region, kept, shared
         self.first, self.n = first, size.slots - first if n is None else n
         self.device = index.device
 
@@ -104,7 +117,7 @@ class OffloadKV(SelectionStore):
         return t.view(s.slots, s.capacity + 1, *t.shape[1:])[self._rows()]
 
     def _scratch_base(self) -> torch.Tensor:
-        return self.lender.of[self._rows()] * (self.capacity + 1)
+        return self.shared.of[self._rows()] * (self.capacity + 1)
 
     def _region_base(self, region: torch.Tensor) -> torch.Tensor:
         s = self.size
@@ -140,7 +153,7 @@ class OffloadKV(SelectionStore):
 
     def rows(self, start: int, end: int, indexed: bool | None = None) -> "OffloadKV":
         return OffloadKV(self.k, self.v, self.host_k, self.host_v, self.dense_layers, self.size, self.index,
-                         self.length, self.region, self.kept, self.lender, self.kfull, self.next_pos,
+                         self.length, self.region, self.kept, self.shared, self.kfull, self.next_pos,
                          self.first + start, end - start)
 
     def prefill_rows(self, start: int, end: int) -> "ScratchView":
@@ -149,7 +162,7 @@ class OffloadKV(SelectionStore):
     # --- scratch -----------------------------------------------------------------------------------------------
     def admit(self, slot: int) -> bool:
         """Lend slot `slot` (of the whole store) a scratch cache for its prefill; False: none is free."""
-        lend = self.lender
+        lend = self.shared
         if lend.held[slot] is None:
             if not lend.free:
                 return False
@@ -158,11 +171,11 @@ class OffloadKV(SelectionStore):
         return True
 
     def holds_scratch(self, slot: int) -> bool:
-        return self.lender.held[slot] is not None
+        return self.shared.held[slot] is not None
 
     def release(self, slot: int) -> None:
         """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection)."""
-        lend = self.lender
+        lend = self.shared
         if lend.held[slot] is not None:
             event = lend.pending.pop(slot, None)
             if event is not None:
@@ -225,7 +238,7 @@ class OffloadKV(SelectionStore):
         for s in slots:
             b = s - self.first
             src = self._block_base()[b] + (block[b] + j) % self.size.block
-            dest = self.lender.held[s] * (self.capacity + 1) + block[b] + j
+            dest = self.shared.held[s] * (self.capacity + 1) + block[b] + j
             for layer in self.selecting_layers:
                 for t in (self.k[layer], self.v[layer]):
                     t[dest] = t[src]
@@ -236,7 +249,7 @@ class OffloadKV(SelectionStore):
         and `retrieve` wait for it)."""
         cap = self.capacity
         for s, p in zip(slots, prefix):
-            base = self.lender.held[s] * (cap + 1)
+            base = self.shared.held[s] * (cap + 1)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -247,21 +260,37 @@ class OffloadKV(SelectionStore):
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-                self.lender.pending[s] = event
+                self.shared.pending[s] = event
 
     def offload_block(self, slots: list[int], block: list[int]) -> None:
-        """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool."""
+        """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool: one gather
+        of every selecting layer on the device and one transfer, issued here without waiting; the rows are written
+        into the pool by the next reader of it (`_Shared.flush`: the host worker's scan, as a rule)."""
         B = self.size.block
         if not slots:
             return
         at = torch.tensor([[self.size.block_rows + s * (B + 1), start] for s, start in zip(slots, block)])
         src = (at[:, :1] + (at[:, 1:] + torch.arange(B)) % B).to(self.device)  # [rows, B]
-        for j, layer in enumerate(self.selecting_layers):
-            for t, host in self._host_pairs(j, layer):
-                staged = t[src].cpu()  # one copy per layer for every row: [rows, B, KVH, D]
-                for i, (s, start) in enumerate(zip(slots, block)):
-                    end = min(start + B, self.capacity)
-                    host[s, :, start:end] = staged[i, : end - start].transpose(0, 1)
+        pairs = [p for j, layer in enumerate(self.selecting_layers) for p in self._host_pairs(j, layer)]
+        staged = torch.stack([t[src] for t, _ in pairs])  # [pairs, rows, B, KVH, D]
+        cuda = self.device.type == "cuda"
+        out = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=cuda)
+        out.copy_(staged, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        ends = [min(start + B, self.capacity) for start in block]
+
+        def write() -> None:
+            if event is not None:
+                event.synchronize()
+            for (_, host), x in zip(pairs, out):
+                for i, (s, start, end) in enumerate(zip(slots, block, ends)):
+                    host[s, :, start:end] = x[i, : end - start].transpose(0, 1)
+
+        with self.shared.lock:
+            self.shared.writes.append(write)
 
     def _host_pairs(self, j: int, layer: int) -> tuple:
         """(device tensor, host pool) of selecting layer j's keys (unless they stay on the device) and values."""
@@ -321,6 +350,7 @@ class OffloadKV(SelectionStore):
         """A forward's store where the selecting layers attend on the CPU over the host pool's keys [0, lengths)
         and choose, per KV head, the keep positions before prefix of largest mass (HERALD's retrieval forward);
         the dense layers read their device caches. [n] CPU tensors; n: the view's rows."""
+        self.shared.flush()
         return HostAttendView(self, lengths, keep, prefix)
 
     def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
@@ -356,8 +386,9 @@ class OffloadKV(SelectionStore):
         the host pool have ended."""
         on = torch.zeros(n, dtype=torch.bool)
         on[[s - self.first for s in slots]] = True
+        self.shared.flush()
         for s in slots:
-            event = self.lender.pending.get(s)
+            event = self.shared.pending.get(s)
             if event is not None:
                 event.synchronize()
         return on, slice(self.first, self.first + n)
@@ -389,6 +420,7 @@ class OffloadKV(SelectionStore):
 
     def move(self, src: int, dst: int, length: int) -> None:
         s = self.size
+        self.shared.flush()
         a, b = self.rows(src, src + 1), self.rows(dst, dst + 1)
         for i in range(self.dense_layers):
             for t in (self.k[i], self.v[i]):
@@ -408,7 +440,7 @@ class OffloadKV(SelectionStore):
                 self.kfull[j][dst * cap : dst * cap + length] = self.kfull[j][src * cap : src * cap + length]
         if self.next_pos is not None:
             self.next_pos[:, dst] = self.next_pos[:, src]
-        lend = self.lender
+        lend = self.shared
         if lend.held[dst] is not None:
             self.release(dst)
         lend.held[dst], lend.held[src] = lend.held[src], None
@@ -505,6 +537,6 @@ class OffloadLayout:
         zeros = lambda: torch.zeros(f.slots, dtype=torch.long, device=dev)  # noqa: E731
         index = torch.zeros(f.slots, f.capacity, dtype=torch.long, device=dev)
         kv = OffloadKV(k, v, host_k, host_v, self.dense_layers, s, index, zeros(), zeros(), zeros(),
-                       _Lender(s.scratch, f.slots, dev), kfull, next_pos)
+                       _Shared(s.scratch, f.slots, dev), kfull, next_pos)
         kv.index.copy_(kv._selection_index(kv.region))  # nothing read before a row's first step sets it
         return kv

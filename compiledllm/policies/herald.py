@@ -39,6 +39,7 @@ from the device form's at near-ties; with budget 1.0 both give dense `threshold`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -228,7 +229,7 @@ class HeraldPolicy(HostPool, MagePolicy):
         if "bstep" not in h:
             n = host.st.active.shape[0]
             h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, stall_s=0.0,
-                     scans=0, scan_s=0.0)
+                     scans=0, scan_s=0.0, boundary_s=0.0, draft_s=0.0)
         return h
 
     def schedule(self, step):
@@ -253,6 +254,7 @@ class HeraldPolicy(HostPool, MagePolicy):
             h["bstep"][s] += 1
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
             if self.host_pool:  # the draft's K/V to the host pool, then the retrieval over it
+                t = time.perf_counter()
                 starts = host.st.block_start.tolist()
                 host.kv.offload_block(drafted, [starts[s] for s in drafted])
                 if self.device_keys:  # the device scan chose in the step's hook: the values, on the worker thread
@@ -263,6 +265,7 @@ class HeraldPolicy(HostPool, MagePolicy):
                     self.retrieve(host, drafted, draft=True)
                 for s in drafted:  # a prepared selection: the row needs its full prefix on the device no more
                     host.kv.release(s)
+                h["draft_s"] += time.perf_counter() - t
             elif not self.scan:
                 self.retrieve(host, drafted, draft=True)
             for s in drafted:
@@ -272,9 +275,11 @@ class HeraldPolicy(HostPool, MagePolicy):
         h, st = self._rows(host), host.st
         boundary = [s for s, n in zip(rows, st.steps[rows].tolist()) if n > 0]  # the others were just admitted
         if self.host_pool:
+            t = time.perf_counter()
             for s in boundary:  # its scan's selection, placed when the row needs it (the stall, if the scan is late),
                 self.host_place(host, h["pending"][s])  # before the exact block replaces the draft the scan reads
             self.host_boundary(host, rows, boundary)
+            h["boundary_s"] += time.perf_counter() - t
         if boundary and not self.lookahead:  # retrieve now, with the completed block
             self.retrieve(host, boundary, draft=False)
             for s in boundary:

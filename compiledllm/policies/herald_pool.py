@@ -49,18 +49,17 @@ class HostPool:
         host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, for the rows' idle regions; on
         the worker thread, placed at the rows' boundaries (`wait`: placed now)."""
         n, h = max(rows) + 1, self._rows(host)
-        prefix = prefix[:n].cpu()
         view = host.kv.rows(0, n)
+        q, at = to_host(host.st.policy["rep_q"][:n]), to_host(prefix[:n])  # issued now, waited for by the worker
 
-        def scan(*args):
-            t = time.perf_counter()
-            out = view.scan(*args)
+        def scan() -> object:
+            t, p = time.perf_counter(), at()
+            out = view.scan(rows, q(), p, p + self.block_size, self.next_keep(p), _worker_threads())
             h["scan_s"] += time.perf_counter() - t
             return out
 
         h["scans"] += 1
-        job = host.worker.submit(scan, rows, host.st.policy["rep_q"][:n].cpu(), prefix, prefix + self.block_size,
-                                 self.next_keep(prefix), _worker_threads())
+        job = host.worker.submit(scan)
         for s in rows:
             h["pending"][s] = job
         if wait:
@@ -71,8 +70,15 @@ class HostPool:
         on the worker thread, placed at the rows' boundaries (`wait`: now)."""
         n, h = max(rows) + 1, self._rows(host)
         view = host.kv.rows(0, n)
-        job = host.worker.submit(view.values_scan, rows, host.kv.next_pos[:, :n].cpu(), host.kv.kept[:n].cpu(),
-                                 _worker_threads())
+        chosen, kept = to_host(host.kv.next_pos[:, :n]), to_host(host.kv.kept[:n])
+
+        def gather() -> object:
+            t = time.perf_counter()
+            out = view.values_scan(rows, chosen(), kept(), _worker_threads())
+            h["scan_s"] += time.perf_counter() - t
+            return out
+
+        job = host.worker.submit(gather)
         h["scans"] += 1
         for s in rows:
             h["pending"][s] = job
@@ -97,12 +103,14 @@ class HostPool:
             h["pending"][s] = None
 
     def host_stats(self, host) -> dict:
-        """The host pool's scans: how many, their CPU seconds (on the worker) and the seconds rows waited for them at
-        their boundaries (HERALD's pipeline stall)."""
+        """The host pool's scans (or value gathers): how many, their CPU seconds (on the worker) and the seconds rows
+        waited for them at their boundaries (HERALD's pipeline stall); the engine thread's seconds in the boundary
+        hooks (placing, copying blocks out, swapping pools; the stall included) and after draft steps."""
         h = host.state
         if not self.host_pool or "scans" not in h:
             return {}
-        return {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"]}
+        return {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"],
+                "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"]}
 
     def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
         """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative
@@ -115,6 +123,23 @@ class HostPool:
         attend = view.host_attend(target.cpu().clamp(max=view.capacity) * onc, keep, prefix.cpu() * onc)
         host.model(self.representative_forward(on, target, target, self.config.query, view.capacity), attend)
         view.place(view.gathered(onc, keep, attend.chosen))
+
+
+def to_host(t: torch.Tensor):
+    """A copy of device tensor t to the host, issued now without waiting: returns the call (for the host worker) that
+    waits for it and gives the copy."""
+    if t.device.type != "cuda":
+        out = t.clone()
+        return lambda: out
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+
+    def get() -> torch.Tensor:
+        event.synchronize()
+        return out
+    return get
 
 
 def _worker_threads() -> int:

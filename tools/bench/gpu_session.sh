@@ -17,7 +17,7 @@
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
 # herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
-# context; HERALD_BATCHES=8,32,max probes each policy's largest batch), heraldq (selection recall and exact match on
+# context; HERALD_BATCHES=8,32,max probes each policy's largest batch; HERALD_BATCHES_<policy>: one policy's own, as host pools hold more rows), heraldq (selection recall and exact match on
 # the yardstick's 4K / 2K retrieval)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -235,8 +235,9 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
     [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
+    var=HERALD_BATCHES_$p; batches=${!var:-${HERALD_BATCHES:-8,32}}  # e.g. HERALD_BATCHES_herald_keys: its own
     timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
-      $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch ${HERALD_BATCHES:-8,32} \
+      $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do

@@ -1,0 +1,67 @@
+"""kv/offload.py's block copies to the host pool: issued at once, written into the pool by its next reader (the scan on
+the host worker, a slot move, the retrieval forward's CPU attention), so the engine thread never waits for them."""
+from __future__ import annotations
+
+import torch
+
+from compiledllm.kv.offload import OffloadLayout
+from compiledllm.kv.store import DeviceKV
+
+B = 4  # block
+
+
+def store(keys_on_device: bool = False):
+    full = DeviceKV(3, 3, 16, 2, 4, torch.float32, torch.device("cpu"))
+    return OffloadLayout(full, dense_layers=1, per_row=8, block=B, scratch=1, keys_on_device=keys_on_device).allocate()
+
+
+def fill_block_buffers(kv) -> None:
+    """Every selecting layer's block buffers: a distinct value per (layer, K/V, slot, position % B, head, channel)."""
+    first = kv.size.block_rows
+    for t in (*kv.k[1:], *kv.v[1:]):
+        t[first:] = torch.randn_like(t[first:])
+
+
+def block_of(kv, t: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+    """[KVH, B, D]: slot's block buffer, positions start..start + B, as the host pool holds them."""
+    rows = kv.size.block_rows + slot * (B + 1) + (start + torch.arange(B)) % B
+    return t[rows].transpose(0, 1)
+
+
+def test_block_copies_wait_for_the_pools_next_reader():
+    kv = store()
+    fill_block_buffers(kv)
+    kv.offload_block([0, 2], [4, 8])
+    assert not any(h.any() for h in (*kv.host_k, *kv.host_v))  # issued, not yet written
+    kv.shared.flush()
+    for j, layer in enumerate(kv.selecting_layers):
+        for t, host in ((kv.k[layer], kv.host_k[j]), (kv.v[layer], kv.host_v[j])):
+            assert torch.equal(host[0, :, 4:8], block_of(kv, t, 0, 4))
+            assert torch.equal(host[2, :, 8:12], block_of(kv, t, 2, 8))
+            assert not host[1].any() and not host[0, :, :4].any()
+    assert not kv.shared.writes
+
+
+def test_a_move_and_a_scan_see_the_blocks_issued_before_them():
+    kv = store()
+    fill_block_buffers(kv)
+    kv.offload_block([2], [0])
+    kv.move(2, 0, B)  # the block written before slot 2's pool rows are copied
+    for j, layer in enumerate(kv.selecting_layers):
+        assert torch.equal(kv.host_v[j][0, :, :B], block_of(kv, kv.v[layer], 2, 0))
+    kv.offload_block([1], [0])
+    q = torch.randn(2, len(kv.selecting_layers), 2, 4)
+    scanned = kv.scan([1], q, torch.tensor([0, 4]), torch.tensor([0, 4]), torch.tensor([0, 4]))
+    j = 0
+    want = block_of(kv, kv.v[kv.selecting_layers[j]], 1, 0)  # keep all 4 of [0, 4): every position, in order
+    assert torch.equal(scanned.staged[j][1, 1].sort(dim=1).values, want.sort(dim=1).values)
+
+
+def test_device_keys_copy_only_the_values():
+    kv = store(keys_on_device=True)
+    fill_block_buffers(kv)
+    kv.offload_block([1], [0])
+    kv.shared.flush()
+    for j, layer in enumerate(kv.selecting_layers):
+        assert torch.equal(kv.host_v[j][1, :, :B], block_of(kv, kv.v[layer], 1, 0))
+    assert kv.host_k is None
