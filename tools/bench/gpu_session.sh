@@ -222,6 +222,9 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
   timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
+  for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do  # the same call's ceilings: HBM, PCIe, DRAM, ext/
+    timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -4
+  done
   # the host pool's ablation: herald_hostmage (the B [MASK] queries' CPU attention at the boundary: MAGE-Offload's
   # selection on the CPU), herald_hostrep (+ one representative query), herald_hostfwd (+ the draft's lookahead:
   # HERALD as published), herald_host (the K-only scan from the draft step instead of the retrieval forward),

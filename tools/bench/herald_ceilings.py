@@ -1,0 +1,94 @@
+"""The ceilings HERALD's speed table is read against, measured in the same device call as the bench: HBM and bf16
+matmul rate (gpu_timing.ceilings), PCIe with pinned memory both ways, the host's DRAM read rate, and ext/'s scan and
+value gather alone at the bench's shape (LLaDA2.0-mini: 18 selecting layers of 4 KV heads x 4 query heads x 128, a
+5 % budget) on the cores the host worker uses; then what one block of one request costs on each.
+
+    python tools/bench/herald_ceilings.py --prefix 32000 [--rows 1,8] [--out herald_ceilings.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench_selection import read_bandwidth, timeit  # noqa: E402
+from gpu_timing import ceilings, time_ms  # noqa: E402
+
+from compiledllm.kv import cpu_select as cs  # noqa: E402
+
+LAYERS, KVH, G, D, BUDGET = 18, 4, 4, 128, 0.05
+
+
+def pcie(gib: float = 1.0) -> dict:
+    n = int(gib * (1 << 30)) // 2
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    h2d = time_ms(lambda: dev.copy_(host, non_blocking=True), 5)
+    d2h = time_ms(lambda: host.copy_(dev, non_blocking=True), 5)
+    return {"h2d_bytes_per_s": 2 * n / (h2d / 1e3), "d2h_bytes_per_s": 2 * n / (d2h / 1e3)}
+
+
+def scan_and_gather(S: int, rows: int, threads: int) -> dict:
+    """ext/'s fused scan (one query of G heads per KV head, keys only, top 5 %) and value gather over `rows` requests
+    of one layer, per call; GB/s of the keys read (scan) or the rows written (gather)."""
+    g = torch.Generator().manual_seed(S)
+    k = torch.randn(rows, KVH, S, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(rows, KVH, S, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(rows, KVH * G, 1, D, generator=g).to(torch.bfloat16)
+    lengths, keep = torch.full((rows,), S, dtype=torch.int64), max(1, round(BUDGET * S))
+    scan = timeit(lambda i: cs.select(q, k, None, lengths, keep, want_output=False, want_lse=False, threads=threads),
+                  3, 20, 0.5)["median_s"]
+    idx = cs.select(q, k, None, lengths, keep, want_output=False, want_lse=False, threads=threads).topk_idx
+    gather = timeit(lambda i: cs.gather(k, v, idx, threads=threads), 3, 20, 0.5)["median_s"]
+    return {"rows": rows, "scan_s": scan, "scan_gbs": rows * KVH * S * D * 2 / scan / 1e9,
+            "gather_s": gather, "gather_gbs": 2 * rows * KVH * keep * D * 2 / gather / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=int, default=32000)
+    ap.add_argument("--rows", default="1,8", help="requests per scan call")
+    ap.add_argument("--dram-gib", type=float, default=4.0, help="buffer the DRAM read rate is measured on")
+    ap.add_argument("--out", default="herald_ceilings.json")
+    args = ap.parse_args()
+    threads = max(1, (os.cpu_count() or 2) - 1)  # as policies/herald_pool._worker_threads
+    S, keep = args.prefix, max(1, round(BUDGET * args.prefix))
+    rec: dict = {"prefix": S, "threads": threads, "shape": {"layers": LAYERS, "kv_heads": KVH, "group": G, "head_dim": D},
+                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    if torch.cuda.is_available():
+        rec["gpu"] = ceilings() | pcie()
+    rec["dram"] = read_bandwidth(0, args.dram_gib)
+    rec["ext"] = [scan_and_gather(S, int(r), threads) for r in args.rows.split(",")] if cs.extension_available() else []
+    # one block of one request: its keys scanned in every selecting layer, its selection (K and V, or V) over PCIe
+    row_keys = LAYERS * KVH * S * D * 2
+    per_block = {"keys_bytes": row_keys, "selection_kv_bytes": 2 * LAYERS * KVH * keep * D * 2}
+    if rec["ext"]:
+        best = max(rec["ext"], key=lambda r: r["scan_gbs"])
+        per_block["cpu_scan_s"] = row_keys / (best["scan_gbs"] * 1e9)
+        per_block["cpu_gather_kv_s"] = per_block["selection_kv_bytes"] / (best["gather_gbs"] * 1e9)
+    if "gpu" in rec:
+        per_block["pcie_kv_s"] = per_block["selection_kv_bytes"] / rec["gpu"]["h2d_bytes_per_s"]
+        per_block["hbm_key_scan_s"] = row_keys / rec["gpu"]["hbm_bytes_per_s"]
+    rec["per_request_block"] = per_block
+    Path(args.out).write_text(json.dumps(rec, indent=1))
+    gpu = rec.get("gpu", {})
+    print(f"HBM {gpu.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s, bf16 {gpu.get('bf16_flops_per_s', 0) / 1e12:.0f} "
+          f"TFLOP/s, PCIe H2D {gpu.get('h2d_bytes_per_s', 0) / 1e9:.1f} / D2H {gpu.get('d2h_bytes_per_s', 0) / 1e9:.1f}"
+          f" GB/s, DRAM read {rec['dram']['ext_read_probe_gbs']:.0f} GB/s ({os.cpu_count()} cores)")
+    for r in rec["ext"]:
+        print(f"ext/ at {S} keys, {r['rows']} rows, {threads} threads: scan {r['scan_gbs']:.1f} GB/s, "
+              f"value+key gather {r['gather_gbs']:.1f} GB/s")
+    print("per request and block: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") else f"{k} {v / 1e6:.0f} MB"
+                                                for k, v in per_block.items()))
+
+
+if __name__ == "__main__":
+    main()
