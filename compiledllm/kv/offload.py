@@ -351,6 +351,7 @@ class OffloadKV(SelectionStore):
         and choose, per KV head, the keep positions before prefix of largest mass (HERALD's retrieval forward);
         the dense layers read their device caches. [n] CPU tensors; n: the view's rows."""
         self.shared.flush()
+        self._wait_prefix(range(self.first, self.first + self.n))
         return HostAttendView(self, lengths, keep, prefix)
 
     def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
@@ -387,11 +388,15 @@ class OffloadKV(SelectionStore):
         on = torch.zeros(n, dtype=torch.bool)
         on[[s - self.first for s in slots]] = True
         self.shared.flush()
+        self._wait_prefix(slots)
+        return on, slice(self.first, self.first + n)
+
+    def _wait_prefix(self, slots) -> None:
+        """Until the slots' prefix copies into the host pool (offload_prefix) have ended."""
         for s in slots:
             event = self.shared.pending.get(s)
             if event is not None:
                 event.synchronize()
-        return on, slice(self.first, self.first + n)
 
     def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor, threads: int = 0) -> "Scanned":
         """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the

@@ -280,7 +280,7 @@ class HeraldPolicy(HostPool, MagePolicy):
                 self.host_place(host, h["pending"][s])  # before the exact block replaces the draft the scan reads
             self.host_boundary(host, rows, boundary)
             h["boundary_s"] += time.perf_counter() - t
-        if boundary and not self.lookahead:  # retrieve now, with the completed block
+        if boundary and not self.lookahead and not self.host_pool:  # retrieve now, with the completed block
             self.retrieve(host, boundary, draft=False)
             for s in boundary:
                 h["ready"][s] = True

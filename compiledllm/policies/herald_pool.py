@@ -15,9 +15,10 @@ class HostPool:
 
     def host_boundary(self, host, rows: list[int], boundary: list[int]) -> None:
         """The host pool's part of a block boundary: the completed block's exact K/V to the host pool; an admitted
-        row's prefix too (on the side stream); a row with no prepared selection and no scratch cache left gets one
-        now, from the centre query of its last draft step (so it swaps like a prepared row); a row that still holds
-        its scratch cache reads its full prefix again (with the block it completed)."""
+        row's prefix too (on the side stream); rows without a prepared selection get one now (the retrieval with the
+        completed block, as without lookahead): every such row without lookahead, with it those that hold no scratch
+        cache (from the centre query of the last draft step; a row that still holds its scratch cache, its block ended
+        before the draft step, reads its full prefix again, with the block it completed)."""
         h, st, kv, Bk = self._rows(host), host.st, host.kv, self.block_size
         starts = st.block_start.tolist()
         if boundary:
@@ -26,21 +27,22 @@ class HostPool:
         if admitted:
             kv.offload_prefix(admitted, [starts[s] for s in admitted], host.side_stream)
         unprepared = [s for s in boundary if not h["ready"][s]]
-        stale = [s for s in unprepared if not kv.holds_scratch(s)]
-        if stale:  # (the forward retrieval: with the completed block, as without lookahead)
+        now = [s for s in unprepared if not self.lookahead or not kv.holds_scratch(s)]
+        if now:
             if self.device_keys:
-                n = max(stale) + 1
+                n = max(now) + 1
                 view, prefix = kv.rows(0, n), st.block_start[:n] - Bk
                 mass = self.scan_mass(st.policy["rep_q"][:n], st.block_start[:n], view)
-                view.select_next_keys(row_mask(st.active[:n], stale), mass, prefix, self.next_keep(prefix))
-                self.host_values(host, stale, wait=True)
+                view.select_next_keys(row_mask(st.active[:n], now), mass, prefix, self.next_keep(prefix))
+                self.host_values(host, now, wait=True)
             elif self.scan:
-                self.host_retrieve(host, stale, st.block_start - Bk)
+                self.host_retrieve(host, now, st.block_start - Bk)
             else:
-                self.retrieve(host, stale, draft=False)
-            for s in stale:
+                self.retrieve(host, now, draft=False)
+            for s in now:
                 h["ready"][s] = True
-        keep = [s for s in unprepared if kv.holds_scratch(s)]
+                kv.release(s)  # a row prepared without lookahead needs its full prefix on the device no more
+        keep = [s for s in unprepared if s not in now]
         if keep:
             kv.rows(0, max(keep) + 1).block_to_scratch(keep, st.block_start - Bk, Bk)
 

@@ -193,3 +193,21 @@ def test_selection_recall_tool_counts_every_method(tmp_path, monkeypatch, capsys
         assert recall["1.0"] == 1.0, method
         assert 0.0 < recall["0.1"] <= 1.0, method
     assert "recall vs the per-step oracle" in capsys.readouterr().out
+
+
+def test_host_pool_without_lookahead_gives_its_scratch_back_at_the_first_boundary(model):
+    """Without lookahead a row's selection is made at its first boundary, and its scratch cache goes back then: one
+    scratch cache serves three requests at once, not one after another (decode steps well under three alone runs)."""
+    from compiledllm.engine import Engine, EngineConfig
+
+    ps = prompts(model.config.vocab_size)[:3]
+    policy = DENSE | {"name": "herald", "budget": 0.3, "pool": "host", "lookahead": "none", "scratch": 1}
+
+    def steps(batch, requests):
+        engine = Engine(model, EngineConfig(policy, max_new_tokens=24, batch_size=batch, max_seq_len=48,
+                                            prefill_chunk=8, ignore_eos=True))
+        engine.generate(requests)
+        return engine.stats.decode_steps
+
+    alone = [steps(1, [p]) for p in ps]
+    assert steps(3, ps) < 2 * max(alone), alone
