@@ -8,7 +8,9 @@ Per row and block n (the first `dense_layers` layers always read the whole prefi
 * step 0 (phase "decode") with threshold acceptance; the draft = the argmax at every masked position of its logits;
 * step 1 (phase "draft"): one 2B-token forward, the block and its draft as two query groups that both see the
   selection and not each other; the draft's K/V is written at the block's positions (copied out by the host hook)
-  and the block's tokens are decided from the block group alone, so the draft never changes a token;
+  and the block's tokens are decided from the block group alone, so the draft never changes a token (`draft_wait`
+  W: the draft step comes at step 1 to 1 + W, rows out of step drafting in one forward; neither group sees the other,
+  so the draft's K/V and the selection it prepares do not depend on the step);
 * the retrieval for block n+1 (host hook after step 1, `lookahead: draft`): one forward of the representative query,
   the [MASK] at block n+1's centre (`query: block`: all its B [MASK] queries), over the full prefix with block n's
   positions read from the draft's K/V; in every selecting layer and KV head the positions before block n with the
@@ -73,6 +75,9 @@ class HeraldConfig(MageConfig):
     # pool: host, retrieval: scan: where the keys stay ("host": in the pool with the values; "device": every key on
     # the device, scanned there once per block, only the values in the host pool: HERALD's variant 5c)
     keys: Literal["host", "device"] = "host"
+    # a row's draft step may come up to this many steps after step 1, so that rows out of step draft in one forward
+    # (the draft, its K/V and the selection it prepares are the same at any step of the block; the paper: 0)
+    draft_wait: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +100,10 @@ class HeraldConfig(MageConfig):
             raise ValueError("pool: host scans the host pool's keys as they are (scan_keys: exact)")
         if self.scratch < 1:
             raise ValueError(f"scratch: must be >= 1, got {self.scratch}")
+        if self.draft_wait < 0:
+            raise ValueError(f"draft_wait: must be >= 0, got {self.draft_wait}")
+        if self.draft_wait and self.lookahead != "draft":
+            raise ValueError("draft_wait: delays the draft step (lookahead: draft)")
         if self.keys not in ("host", "device"):
             raise ValueError(f"keys: must be host or device, got {self.keys!r}")
         if self.keys == "device" and (self.pool != "host" or self.retrieval != "scan"):
@@ -228,17 +237,21 @@ class HeraldPolicy(HostPool, MagePolicy):
         h = host.state
         if "bstep" not in h:
             n = host.st.active.shape[0]
-            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, stall_s=0.0,
+            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, drafted=[False] * n, drafting=(), draft_forwards=0, stall_s=0.0,
                      scans=0, scan_s=0.0, boundary_s=0.0, draft_s=0.0)
         return h
 
     def schedule(self, step):
-        """Rows at their block's step 1 make the draft step; the others "select" when one of them begins a block
-        without a prepared selection, else "decode". (Every phase is a row phase: each comes as a PhaseRun.)"""
+        """Rows past their block's step 0 that have not drafted make the draft step together, once one of them is
+        `draft_wait` steps past step 1; the others "select" when one of them begins a block without a prepared
+        selection, else "decode". (Every phase is a row phase: each comes as a PhaseRun.)"""
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
         h = step.state
-        drafting = tuple(s for s in step.rows if self.lookahead and h["bstep"][s] == 1)
+        due = [s for s in step.rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
+        wait = self.config.draft_wait
+        drafting = tuple(due) if any(h["bstep"][s] >= 1 + wait for s in due) else ()
+        h["drafting"] = drafting  # (read back by after_step)
         rest = tuple(s for s in step.rows if s not in drafting)
         phase = "select" if any(h["full"][s] and h["bstep"][s] == 0 for s in rest) else "decode"
         return tuple(PhaseRun(ph, rows) for ph, rows in (("draft", drafting), (phase, rest)) if rows)
@@ -248,8 +261,11 @@ class HeraldPolicy(HostPool, MagePolicy):
 
     def after_step(self, host, report):
         h = self._rows(host)
-        drafted = [s for s in h["rows"] if self.lookahead and h["bstep"][s] == 1 and report.active[s]
-                   and not report.retired[s]]
+        drafted = [s for s in h["drafting"] if report.active[s] and not report.retired[s]]
+        h["draft_forwards"] += bool(h["drafting"])
+        for s in h["drafting"]:
+            h["drafted"][s] = True
+        h["drafting"] = ()
         for s in h["rows"]:
             h["bstep"][s] += 1
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
@@ -292,13 +308,14 @@ class HeraldPolicy(HostPool, MagePolicy):
             host.kv.swap(row_mask(st.active, warm), st.block_start - self.block_size, self.block_size)
         for s in rows:
             h["bstep"][s], h["full"][s], h["ready"][s], h["pending"][s] = 0, s in cold, False, None
+            h["drafted"][s] = False
 
     def on_move(self, host, src, dst):
         h = self._rows(host)
         if h["pending"][src] is not None:  # the scan for src lands in src's idle region: then dst's
             self.host_place(host, h["pending"][src])
             host.kv.copy_idle(src, dst)
-        for key in ("bstep", "full", "ready"):
+        for key in ("bstep", "full", "ready", "drafted"):
             h[key][dst] = h[key][src]
 
     def retrieve(self, host, rows: list[int], draft: bool) -> None:

@@ -105,14 +105,17 @@ class HostPool:
             h["pending"][s] = None
 
     def host_stats(self, host) -> dict:
-        """The host pool's scans (or value gathers): how many, their CPU seconds (on the worker) and the seconds rows
+        """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on the worker) and the seconds rows
         waited for them at their boundaries (HERALD's pipeline stall); the engine thread's seconds in the boundary
         hooks (placing, copying blocks out, swapping pools; the stall included) and after draft steps."""
         h = host.state
-        if not self.host_pool or "scans" not in h:
+        if "scans" not in h:
             return {}
-        return {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"],
-                "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"]}
+        drafts = {"draft_forwards": h["draft_forwards"]} if self.lookahead else {}
+        if not self.host_pool:
+            return drafts
+        return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"],
+                         "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"]}
 
     def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
         """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative

@@ -143,6 +143,8 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"pool": "host", "retrieval": "scan", "scan_keys": "int8"}, "pool: host scans the host pool.s keys as they are"),
     ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
     ({"pool": "host", "keys": "device"}, "keys: device keeps the keys of a host pool on the device"),
+    ({"draft_wait": -1}, "draft_wait: must be >= 0"),
+    ({"lookahead": "none", "draft_wait": 2}, "draft_wait: delays the draft step"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
     from compiledllm.policies import policy_config
@@ -211,3 +213,26 @@ def test_host_pool_without_lookahead_gives_its_scratch_back_at_the_first_boundar
 
     alone = [steps(1, [p]) for p in ps]
     assert steps(3, ps) < 2 * max(alone), alone
+
+
+@pytest.mark.parametrize("form", [{}, HOST | {"scratch": 2}, DEVICE_KEYS | {"scratch": 2}],
+                         ids=["device", "host-scan", "device-keys"])
+def test_a_later_draft_step_prepares_the_same_selections(model, form):
+    """The draft step may wait (draft_wait) so that rows out of step draft in one forward: the draft group sees neither
+    the block group nor the step, so every selection, and so every token, is the one the step-1 draft prepares
+    (prompts of whole blocks and a token a step: no block ends before its draft step), in fewer draft forwards when
+    requests are admitted at different steps."""
+    from compiledllm.engine import Engine, EngineConfig
+
+    ps = prompts(model.config.vocab_size, [4, 8, 12, 16, 8])
+    herald = DENSE | {"name": "herald", "budget": 0.3, "threshold": 1.0, "steps": BLOCK} | form
+
+    def go(policy):
+        engine = Engine(model, EngineConfig(policy, max_new_tokens=16, batch_size=3, max_seq_len=32, prefill_chunk=8,
+                                            ignore_eos=True))
+        return [r.output_ids for r in engine.generate(ps)], engine.stats.policy["draft_forwards"]
+
+    first, drafts = go(herald)
+    for wait in (1, 2):
+        out, fewer = go(herald | {"draft_wait": wait})
+        assert out == first and fewer < drafts
