@@ -23,7 +23,9 @@ tiers (`offload_prefix`, `offload_block`) and the CPU retrieval (`retrieve`) run
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +84,7 @@ class _Shared:
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
         self.writes: list[Callable[[], None]] = []
         self.lock = threading.Lock()
+        self.seconds: dict[str, float] = {}  # the engine thread's time in the store's host-side methods (`_timed`)
 
     def flush(self) -> None:
         """Write every issued block copy into the host pool (waiting for its transfer)."""
@@ -91,17 +94,32 @@ class _Shared:
             self.writes.clear()
 
 
+def _timed(method):
+    """Adds the seconds a call of `method` takes to the store's `seconds[method name]` (the host hooks' split)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            seconds = self.shared.seconds
+            seconds[method.__name__] = seconds.get(method.__name__, 0.0) + time.perf_counter() - t
+    return timed
+
+
 class OffloadKV(SelectionStore):
     """The store (kv/store.KVStore) over slots [first, first + n)."""
 
-    def __init__(self, k: list, v: list, host_k: list | None, host_v: list, dense_layers: int, size: OffloadSize,
-                 index: torch.Tensor, length: torch.Tensor, region: torch.Tensor, kept: torch.Tensor,
-                 shared: _Shared, kfull: list | None = None, next_pos: torch.Tensor | None = None, first: int = 0,
-                 n: int | None = None):
-        # host_*: one per selecting layer; with `keys: device` no host keys, and kfull: each selecting layer's full key
+    def __init__(self, k: list, v: list, pools: tuple[torch.Tensor, torch.Tensor], host_k: torch.Tensor | None,
+                 host_v: torch.Tensor, dense_layers: int, size: OffloadSize, index: torch.Tensor, length: torch.Tensor,
+                 region: torch.Tensor, kept: torch.Tensor, shared: _Shared, kfull: torch.Tensor | None = None,
+                 next_pos: torch.Tensor | None = None, first: int = 0, n: int | None = None):
+        # k / v: every layer's device tensor, the selecting layers' being views of `pools` (K, V: [L, rows, KVH, D]
+        # stacked, so the host hooks move every selecting layer in one op); host_*: [L, slots, KVH, capacity, D]; with
+        # `keys: device` no host keys, and kfull [L, slots * (capacity + 1), KVH, D]: every selecting layer's full key
         # cache on the device (slot s, position p at s * (capacity + 1) + p) with next_pos [L, slots, KVH, P], the
         # positions the device scan chose last
-        self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v
+        self.k, self.v, self.pools, self.host_k, self.host_v = k, v, pools, host_k, host_v
         self.kfull, self.next_pos = kfull, next_pos
         self.dense_layers, self.size = dense_layers, size
         self.index, self.length, self.region, self.kept, self.shared = index, length, region, kept, shared
@@ -152,7 +170,7 @@ class OffloadKV(SelectionStore):
                          **self._key_args(i))
 
     def rows(self, start: int, end: int, indexed: bool | None = None) -> "OffloadKV":
-        return OffloadKV(self.k, self.v, self.host_k, self.host_v, self.dense_layers, self.size, self.index,
+        return OffloadKV(self.k, self.v, self.pools, self.host_k, self.host_v, self.dense_layers, self.size, self.index,
                          self.length, self.region, self.kept, self.shared, self.kfull, self.next_pos,
                          self.first + start, end - start)
 
@@ -173,6 +191,7 @@ class OffloadKV(SelectionStore):
     def holds_scratch(self, slot: int) -> bool:
         return self.shared.held[slot] is not None
 
+    @_timed
     def release(self, slot: int) -> None:
         """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection)."""
         lend = self.shared
@@ -189,6 +208,7 @@ class OffloadKV(SelectionStore):
     def reads_full(self) -> torch.Tensor:
         return self.index[self._rows(), 0] < self.size.scratch_rows
 
+    @_timed
     def read_full(self, rows: torch.Tensor, prefix: torch.Tensor) -> None:
         """Rows where `rows` [n] is True (each holding a scratch cache) read it up to `prefix` [n] from now on."""
         r = self._rows()
@@ -201,21 +221,25 @@ class OffloadKV(SelectionStore):
         chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
         r = self._rows()
         region = self.region[r]
-        for j, layer in enumerate(self.selecting_layers):
-            for t in (self.k[layer], self.v[layer]):
-                self._fill(t, rows, region, t, self._scratch_base(), chosen[j])
+        for t in self.pools:
+            self._fill(t, rows, region, t, self._scratch_base(), chosen)
         self.index[r] = torch.where(rows[:, None], self._selection_index(region), self.index[r])
         self.length[r] = torch.where(rows, keep, self.length[r])
 
     def _fill(self, t: torch.Tensor, rows: torch.Tensor, region: torch.Tensor, src: torch.Tensor, base: torch.Tensor,
               chosen: torch.Tensor) -> None:
-        """For rows where `rows` [n]: region `region` [n] of t, KV head h's j-th key := src's row base[b] +
-        chosen[b, h, j] ([n, KVH, P] positions; the capacity: the spare row)."""
-        heads = torch.arange(chosen.shape[1], device=self.device)
-        dest = (self._region_base(region)[:, None] + torch.arange(self.per_row, device=self.device))[..., None]
-        picked = src[base[:, None, None] + chosen, heads[:, None]].transpose(1, 2)  # [n, P, KVH, D]
-        t[dest, heads] = torch.where(rows[:, None, None, None], picked, t[dest, heads])
+        """In every selecting layer l, for rows where `rows` [n]: region `region` [n] of t ([L, rows, KVH, D]), KV head
+        h's j-th key := src's row base[b] + chosen[l, b, h, j] ([L, n, KVH, P] positions; the capacity: the spare
+        row)."""
+        L, _, KVH, P = chosen.shape
+        lay = torch.arange(L, device=self.device)[:, None, None, None]
+        heads = torch.arange(KVH, device=self.device)
+        dest = self._region_base(region)[:, None] + torch.arange(P, device=self.device)  # [n, P]
+        picked = src[lay, base[None, :, None, None] + chosen, heads[:, None]].transpose(2, 3)  # [L, n, P, KVH, D]
+        at = (lay, dest[None, :, :, None], heads)
+        t[at] = torch.where(rows[None, :, None, None, None], picked, t[at])
 
+    @_timed
     def swap(self, rows: torch.Tensor, block: torch.Tensor, size: int) -> None:
         """Rows where `rows` is True: append their block buffer (the block at `block` [n], `size` positions) to the
         idle region's selection and read that region from now on (HERALD's pool swap)."""
@@ -224,13 +248,13 @@ class OffloadKV(SelectionStore):
         j = torch.arange(size, device=self.device)
         src = self._block_base()[:, None] + (block[:, None] + j) % self.size.block  # [n, size]
         dest = self._region_base(idle)[:, None] + (kept[:, None] + j).clamp(max=self.per_row - 1)
-        for layer in self.selecting_layers:
-            for t in (self.k[layer], self.v[layer]):
-                t[dest] = torch.where(rows[:, None, None, None], t[src], t[dest])
+        for t in self.pools:
+            t[:, dest] = torch.where(rows[None, :, None, None, None], t[:, src], t[:, dest])
         self.region[r] = torch.where(rows, idle, self.region[r])
         self.index[r] = torch.where(rows[:, None], self._selection_index(self.region[r]), self.index[r])
         self.length[r] = torch.where(rows, kept + size, self.length[r])
 
+    @_timed
     def block_to_scratch(self, slots: list[int], block: torch.Tensor, size: int) -> None:
         """The block buffers of `slots` (store slots holding scratch) into their scratch caches at [block, block +
         size) ([n] over this view): a row that reads its full prefix again sees the block it completed."""
@@ -239,11 +263,11 @@ class OffloadKV(SelectionStore):
             b = s - self.first
             src = self._block_base()[b] + (block[b] + j) % self.size.block
             dest = self.shared.held[s] * (self.capacity + 1) + block[b] + j
-            for layer in self.selecting_layers:
-                for t in (self.k[layer], self.v[layer]):
-                    t[dest] = t[src]
+            for t in self.pools:
+                t[:, dest] = t[:, src]
 
     # --- the host pool ---------------------------------------------------------------------------------------------
+    @_timed
     def offload_prefix(self, slots: list[int], prefix: list[int], stream: torch.cuda.Stream | None = None) -> None:
         """Each slot's scratch cache [0, prefix) -> the host pool, on `stream` where given (asynchronous; `release`
         and `retrieve` wait for it)."""
@@ -253,15 +277,16 @@ class OffloadKV(SelectionStore):
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for j, layer in enumerate(self.selecting_layers):
-                    for t, host in self._host_pairs(j, layer):
-                        for h in range(host.shape[1]):  # contiguous host rows: the copy stays asynchronous
-                            host[s, h, :p].copy_(t[base : base + p, h], non_blocking=stream is not None)
+                for t, host in self._host_pairs():
+                    for j in range(host.shape[0]):
+                        for h in range(host.shape[2]):  # contiguous host rows: the copy stays asynchronous
+                            host[j, s, h, :p].copy_(t[j, base : base + p, h], non_blocking=stream is not None)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.shared.pending[s] = event
 
+    @_timed
     def offload_block(self, slots: list[int], block: list[int]) -> None:
         """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool: one gather
         of every selecting layer on the device and one transfer, issued here without waiting; the rows are written
@@ -271,8 +296,8 @@ class OffloadKV(SelectionStore):
             return
         at = torch.tensor([[self.size.block_rows + s * (B + 1), start] for s, start in zip(slots, block)])
         src = (at[:, :1] + (at[:, 1:] + torch.arange(B)) % B).to(self.device)  # [rows, B]
-        pairs = [p for j, layer in enumerate(self.selecting_layers) for p in self._host_pairs(j, layer)]
-        staged = torch.stack([t[src] for t, _ in pairs])  # [pairs, rows, B, KVH, D]
+        pairs = self._host_pairs()
+        staged = torch.stack([t[:, src] for t, _ in pairs])  # [K and V, or V, L, rows, B, KVH, D]
         cuda = self.device.type == "cuda"
         out = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=cuda)
         out.copy_(staged, non_blocking=cuda)
@@ -287,15 +312,15 @@ class OffloadKV(SelectionStore):
                 event.synchronize()
             for (_, host), x in zip(pairs, out):
                 for i, (s, start, end) in enumerate(zip(slots, block, ends)):
-                    host[s, :, start:end] = x[i, : end - start].transpose(0, 1)
+                    host[:, s, :, start:end] = x[:, i, : end - start].transpose(1, 2)
 
         with self.shared.lock:
             self.shared.writes.append(write)
 
-    def _host_pairs(self, j: int, layer: int) -> tuple:
-        """(device tensor, host pool) of selecting layer j's keys (unless they stay on the device) and values."""
-        v = (self.v[layer], self.host_v[j])
-        return (v,) if self.host_k is None else ((self.k[layer], self.host_k[j]), v)
+    def _host_pairs(self) -> tuple:
+        """(device pool, host pool) of the selecting layers' keys (unless they stay on the device) and values."""
+        v = (self.pools[1], self.host_v)
+        return (v,) if self.host_k is None else ((self.pools[0], self.host_k), v)
 
     def retrieve(self, slots: list[int], q: torch.Tensor, prefix: torch.Tensor, end: torch.Tensor,
                  keep: torch.Tensor, threads: int = 0) -> None:
@@ -354,6 +379,7 @@ class OffloadKV(SelectionStore):
         self._wait_prefix(range(self.first, self.first + self.n))
         return HostAttendView(self, lengths, keep, prefix)
 
+    @_timed
     def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
         """A scan's selections into its rows' idle regions (one host-to-device copy per layer and K / V), for the rows
         `only` [n] (default all) keeps; kept := its keep counts."""
@@ -361,11 +387,14 @@ class OffloadKV(SelectionStore):
         view = self.rows(scanned.first - self.first, scanned.first - self.first + n)
         on = (scanned.on if only is None else scanned.on & only).to(self.device)
         idle = 1 - self.region[view._rows()]
-        for layer, part in zip(self.selecting_layers, scanned.staged):
-            dest = view._region_base(idle)[:, None] + torch.arange(part.shape[3], device=self.device)  # [n, k]
-            for t, x in zip((self.k[layer], self.v[layer])[2 - part.shape[0]:], part):  # [K, V] or [V]
-                new = x.to(self.device, non_blocking=True).transpose(1, 2).to(t.dtype)  # [n, k, KVH, D]
-                t[dest] = torch.where(on[:, None, None, None], new, t[dest])
+        first = scanned.staged[0]  # [K and V, or V, n, KVH, k, D]
+        x = torch.empty(len(scanned.staged), *first.shape, dtype=first.dtype, device=self.device)
+        for j, part in enumerate(scanned.staged):  # one transfer per layer (each part is contiguous, pinned on CUDA)
+            x[j].copy_(part, non_blocking=True)
+        dest = view._region_base(idle)[:, None] + torch.arange(first.shape[3], device=self.device)  # [n, k]
+        for t, new in zip(self.pools[2 - first.shape[0]:], x.unbind(1)):  # [K, V] or [V]
+            new = new.transpose(2, 3).to(t.dtype)  # [L, n, k, KVH, D]
+            t[:, dest] = torch.where(on[None, :, None, None, None], new, t[:, dest])
         r = view._rows()
         self.kept[r] = torch.where(on, scanned.keep.to(self.device), self.kept[r])
 
@@ -377,9 +406,7 @@ class OffloadKV(SelectionStore):
         chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
         r = self._rows()
         self.next_pos[:, r] = torch.where(rows[None, :, None, None], chosen, self.next_pos[:, r])
-        idle = 1 - self.region[r]
-        for j, layer in enumerate(self.selecting_layers):
-            self._fill(self.k[layer], rows, idle, self.kfull[j], self._key_base(), chosen[j])
+        self._fill(self.pools[0], rows, 1 - self.region[r], self.kfull, self._key_base(), chosen)
         self.kept[r] = torch.where(rows, keep, self.kept[r])
 
     def _ready(self, slots: list[int], n: int) -> tuple[torch.Tensor, slice]:
@@ -417,12 +444,12 @@ class OffloadKV(SelectionStore):
         """Slot src's idle region and kept count to slot dst (a selection placed after the slot moved)."""
         a, b = self.rows(src, src + 1), self.rows(dst, dst + 1)
         j = torch.arange(self.per_row, device=self.device)
-        for layer in self.selecting_layers:
-            for t in (self.k[layer], self.v[layer]):
-                t[b._region_base(1 - self.region[dst : dst + 1])[:, None] + j] = \
-                    t[a._region_base(1 - self.region[src : src + 1])[:, None] + j]
+        for t in self.pools:
+            t[:, b._region_base(1 - self.region[dst : dst + 1])[:, None] + j] = \
+                t[:, a._region_base(1 - self.region[src : src + 1])[:, None] + j]
         self.kept[dst] = self.kept[src]
 
+    @_timed
     def move(self, src: int, dst: int, length: int) -> None:
         s = self.size
         self.shared.flush()
@@ -430,19 +457,19 @@ class OffloadKV(SelectionStore):
         for i in range(self.dense_layers):
             for t in (self.k[i], self.v[i]):
                 b._dense_full(t)[:, :length] = a._dense_full(t)[:, :length]
-        for j, layer in enumerate(self.selecting_layers):
-            for t in (self.k[layer], self.v[layer]):
-                for r in (0, 1):
-                    reg = torch.tensor([r], device=self.device)
-                    t[b._region_base(reg)[:, None] + torch.arange(s.per_row, device=self.device)] = \
-                        t[a._region_base(reg)[:, None] + torch.arange(s.per_row, device=self.device)]
-                t[b._block_base()[0] : b._block_base()[0] + s.block + 1] = \
-                    t[a._block_base()[0] : a._block_base()[0] + s.block + 1]
-            for _, host in self._host_pairs(j, layer):
-                host[dst, :, :length] = host[src, :, :length]
-            if self.kfull is not None:
-                cap = s.capacity + 1
-                self.kfull[j][dst * cap : dst * cap + length] = self.kfull[j][src * cap : src * cap + length]
+        j = torch.arange(s.per_row, device=self.device)
+        for t in self.pools:
+            for r in (0, 1):
+                reg = torch.tensor([r], device=self.device)
+                t[:, b._region_base(reg)[:, None] + j] = t[:, a._region_base(reg)[:, None] + j]
+            t[:, b._block_base()[0] : b._block_base()[0] + s.block + 1] = \
+                t[:, a._block_base()[0] : a._block_base()[0] + s.block + 1]
+        self._wait_prefix([src])  # src's prefix copy into the pool, if still in flight
+        for _, host in self._host_pairs():
+            host[:, dst, :, :length] = host[:, src, :, :length]
+        if self.kfull is not None:
+            cap = s.capacity + 1
+            self.kfull[:, dst * cap : dst * cap + length] = self.kfull[:, src * cap : src * cap + length]
         if self.next_pos is not None:
             self.next_pos[:, dst] = self.next_pos[:, src]
         lend = self.shared
@@ -525,23 +552,21 @@ class OffloadLayout:
         f, s = self.full, self.size
         dev = torch.device(f.device)
         pin = dev.type == "cuda"
-        k, v = [], []
-        for i in range(f.num_layers):
-            rows = f.slots * (f.capacity + 1) if i < self.dense_layers else s.rows
-            k.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
-            v.append(torch.zeros(rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev))
         sel = f.num_layers - self.dense_layers
+        pools = tuple(torch.zeros(sel, s.rows, f.kv_heads, f.head_dim, dtype=f.dtype, device=dev) for _ in range(2))
+        dense = [[torch.zeros(f.slots * (f.capacity + 1), f.kv_heads, f.head_dim, dtype=f.dtype, device=dev)
+                  for _ in range(self.dense_layers)] for _ in range(2)]
+        k, v = (d + list(p.unbind(0)) for d, p in zip(dense, pools))
         kinds = 1 if self.keys_on_device else 2
         pool = host_pool((kinds, sel, f.slots, f.kv_heads, f.capacity, f.head_dim), f.dtype, pin)
-        host_k, host_v = (None if self.keys_on_device else list(pool[0])), list(pool[-1])
+        host_k, host_v = (None if self.keys_on_device else pool[0]), pool[-1]
         kfull = next_pos = None
         if self.keys_on_device:
-            kfull = [torch.zeros(f.slots * (f.capacity + 1), f.kv_heads, f.head_dim, dtype=f.dtype, device=dev)
-                     for _ in range(sel)]
+            kfull = torch.zeros(sel, f.slots * (f.capacity + 1), f.kv_heads, f.head_dim, dtype=f.dtype, device=dev)
             next_pos = torch.zeros(sel, f.slots, f.kv_heads, self.per_row, dtype=torch.long, device=dev)
         zeros = lambda: torch.zeros(f.slots, dtype=torch.long, device=dev)  # noqa: E731
         index = torch.zeros(f.slots, f.capacity, dtype=torch.long, device=dev)
-        kv = OffloadKV(k, v, host_k, host_v, self.dense_layers, s, index, zeros(), zeros(), zeros(),
+        kv = OffloadKV(k, v, pools, host_k, host_v, self.dense_layers, s, index, zeros(), zeros(), zeros(),
                        _Shared(s.scratch, f.slots, dev), kfull, next_pos)
         kv.index.copy_(kv._selection_index(kv.region))  # nothing read before a row's first step sets it
         return kv

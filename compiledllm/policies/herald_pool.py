@@ -107,7 +107,8 @@ class HostPool:
     def host_stats(self, host) -> dict:
         """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on the worker) and the seconds rows
         waited for them at their boundaries (HERALD's pipeline stall); the engine thread's seconds in the boundary
-        hooks (placing, copying blocks out, swapping pools; the stall included) and after draft steps."""
+        hooks (placing, copying blocks out, swapping pools; the stall included) and after draft steps, and in each of the
+        store's host-side methods (`store_s`)."""
         h = host.state
         if "scans" not in h:
             return {}
@@ -115,7 +116,8 @@ class HostPool:
         if not self.host_pool:
             return drafts
         return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"],
-                         "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"]}
+                         "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"],
+                         "store_s": dict(host.kv.shared.seconds)}
 
     def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
         """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative

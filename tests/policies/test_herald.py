@@ -236,3 +236,17 @@ def test_a_later_draft_step_prepares_the_same_selections(model, form):
     for wait in (1, 2):
         out, fewer = go(herald | {"draft_wait": wait})
         assert out == first and fewer < drafts
+
+
+def test_host_pool_reports_where_the_engine_threads_host_time_goes(model):
+    """bench's policy_stats for the host pool: draft forwards, scans, their CPU seconds and the stall, the boundary and
+    draft hooks' seconds, and the seconds in each of the store's host-side methods."""
+    from compiledllm.engine import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(DENSE | {"name": "herald", "budget": 0.3} | HOST, max_new_tokens=16,
+                                        batch_size=3, max_seq_len=32, prefill_chunk=8, ignore_eos=True))
+    engine.generate(prompts(model.config.vocab_size))
+    stats = engine.stats.policy
+    assert stats["draft_forwards"] > 0 and stats["scans"] > 0 and stats["boundary_hooks_s"] > 0
+    assert {"offload_prefix", "offload_block", "place", "swap", "release"} <= set(stats["store_s"])
+    assert all(t > 0 for t in stats["store_s"].values())
