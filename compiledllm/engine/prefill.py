@@ -25,6 +25,12 @@ from compiledllm.policies.plan import window_forward
 MIN_CHUNK = 128  # smallest chunk bucket (or one block, if larger): shorter tails pad up to it
 
 
+def warms_prefill(device: torch.device) -> bool:
+    """Whether a session builds prefill's kernels at start-up (Prefiller.warm_up): on CUDA, where they are JIT-built
+    Triton kernels; on the CPU there is nothing to build."""
+    return device.type == "cuda"
+
+
 @dataclass
 class Progress:
     """Host-side prefill progress of one slot: positions [0, done) of [0, end) are in its KV."""
@@ -106,8 +112,20 @@ class Prefiller:
             written += step
         return written
 
+    def warm_up(self, st: SlotState, kv: KVStore) -> None:
+        """One chunk forward of each chunk size at one row, and of the most rows a forward holds at the smallest and
+        the largest chunk, writing nothing (every KV write goes to the spare row; no slot's state changes): the
+        kernels prefill runs (Triton's JIT on a cold cache, seconds) are built at start-up instead of in the first
+        request's prefill."""
+        def most(C: int) -> int:  # rows of chunk C one forward holds
+            return min(st.seq.shape[0], max((r for r in self.row_sizes if r * C <= self.max_tokens), default=1))
+
+        shapes = {(1, c) for c in self.chunks} | {(most(c), c) for c in (self.chunks[0], self.chunks[-1])}
+        for rows, C in sorted(shapes):
+            self._forward(st, kv, 0, rows, [0] * rows, [C] * rows, C, write=False)
+
     def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
-                 C: int) -> None:
+                 C: int, write: bool = True) -> None:
         dev = st.seq.device
         start = torch.tensor(done, device=dev)
         end = torch.tensor(ends, device=dev)
@@ -116,6 +134,6 @@ class Prefiller:
         cap = st.seq.shape[1]
         tokens = torch.where(real, st.seq[first : first + rows].gather(1, pos.clamp(max=cap - 1)), self.model.mask_token_id)
         last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
-        fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real, write=torch.where(real, pos, -1),
-                             logits_at=last)
+        fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real,
+                             write=torch.where(real & write, pos, -1), logits_at=last)
         self.model(fwd, kv.prefill_rows(first, first + rows))

@@ -124,3 +124,46 @@ def test_bad_arrivals_are_one_line_errors(sdar, arrivals, words):
     eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=4))
     with pytest.raises(UserError, match=words):
         eng.generate(prompts_of([5, 6], sdar.config.vocab_size), arrivals=arrivals)
+
+
+@pytest.mark.parametrize("policy", [
+    POLICY,
+    {"name": "mage", "block_size": 8, "threshold": 0.5, "budget": 0.3},
+    {"name": "herald", "block_size": 8, "threshold": 0.5, "budget": 0.3, "pool": "host", "retrieval": "scan",
+     "scratch": 2},
+], ids=["device-kv", "sparse-kv", "host-pool"])
+def test_prefill_warm_up_at_start_up_changes_no_token(tmp_path, monkeypatch, policy):
+    """On CUDA a session runs prefill's chunk shapes once at start-up, writing nothing (so a cold Triton cache costs
+    the start-up, not the first request); forced on the CPU here, every store's tokens stay those of a run without
+    it, and the warm-up's forwards ran (start-up time counted)."""
+    import compiledllm.engine.session as session
+
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 6, num_hidden_layers=4))
+    ps = prompts_of([5, 140, 33, 290], model.config.vocab_size)
+    cfg = EngineConfig(policy, max_new_tokens=16, batch_size=2, max_seq_len=320, prefill_chunk=256,
+                       prefill_tokens=512, ignore_eos=True)
+    plain = Engine(model, cfg)
+    want = [r.output_ids for r in plain.generate(ps)]
+    calls = []
+    real = session.Prefiller.warm_up
+    monkeypatch.setattr(session, "warms_prefill", lambda device: True)
+    monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv: calls.append(1) or real(self, st, kv))
+    warmed = Engine(model, cfg)
+    assert [r.output_ids for r in warmed.generate(ps)] == want
+    assert calls and warmed.startup_s > 0 == plain.startup_s
+
+
+def test_prefill_warm_up_writes_only_the_spare_rows(sdar):
+    """Prefiller.warm_up's forwards write every K/V to the slots' spare row (capacity) and change no slot state."""
+    session = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=4, max_seq_len=600, prefill_chunk=512,
+                                        prefill_tokens=1024)).session()
+    kv, st = session.kv, session.st
+    kv.k_full.normal_()
+    kv.v_full.normal_()
+    before = [t.clone() for t in (kv.k_full, kv.v_full, st.seq, st.block_start)]
+    session.prefiller.warm_up(st, kv)
+    for was, now in zip(before, (kv.k_full, kv.v_full, st.seq, st.block_start)):
+        if now.dim() == 5:  # [slots, layers, capacity + 1, KVH, D]: all but the spare row kept
+            assert torch.equal(was[:, :, :-1], now[:, :, :-1]) and not torch.equal(was[:, :, -1], now[:, :, -1])
+        else:
+            assert torch.equal(was, now)
