@@ -16,6 +16,7 @@ from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
 from compiledllm.policies.edits import EditRecord
 from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
+from compiledllm.policies.flash_dllm import FlashDLLMConfig, FlashDLLMPolicy
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
 from compiledllm.policies.flowblock_sync import FlowBlockSyncConfig, FlowBlockSyncPolicy
 from compiledllm.policies.herald import HeraldConfig, HeraldPolicy
@@ -30,6 +31,7 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "flowblock": (FlowBlockConfig, FlowBlockPolicy),
     "flowblock_sync": (FlowBlockSyncConfig, FlowBlockSyncPolicy),
     "fast_dllm_cache": (FastDLLMCacheConfig, FastDLLMCachePolicy),
+    "flash_dllm": (FlashDLLMConfig, FlashDLLMPolicy),
     "mage": (MageConfig, MagePolicy),
     "herald": (HeraldConfig, HeraldPolicy),
     "infinigen": (InfiniGenConfig, InfiniGenPolicy),

@@ -1,0 +1,220 @@
+"""`flash_dllm`: Flash-dLLM's Flash-Cache for a bidirectional model (LLaDA-8B / 1.5; ../shared/papers/flash-dllm.txt,
+"Selective cache update"): after one forward of the whole working sequence, each step recomputes only a fixed-size
+query set and serves every other position's KV from the cache (exact for the query set, approximate elsewhere).
+
+Blocks start at the prompt's end (as `threshold` with `rule: fast_dllm`) and the working sequence ends a whole number
+of blocks after it. Per request:
+
+* phase "refresh", once, at its first step: one forward of the whole working sequence (Bidirectional(work length))
+  writes the KV of every position; its logits at the first block make the first transfer;
+* phase "decode", every later step: the query set, each of its positions' K/V recomputed and written to the cache,
+  attending to the set itself and to the cache everywhere else (a KV source read through an index, with holes at
+  the set's positions). The set, at most 2B + `ahead` + `track` positions, padding hidden:
+  - the current block (B positions; its masked ones are the ones decoded, Fast-dLLM's rule: the most confident
+    always, plus every one with p >= threshold);
+  - the positions decoded in the previous step outside the block (a block that just retired: its last tokens);
+  - the next `ahead` masked positions after the block (refreshed, not decoded: Elastic-Cache's sliding window);
+  - the `track` decoded positions (prompt included) outside those that the masked queries of the block and the
+    window attended to most in the previous forward (the tracker).
+
+The tracker's score: the attention mass a key gets from those masked queries, summed over heads and the layers past
+the first two, from the attention itself (AttentionSpec.stats, [B, S + Q]), reset every step. Flash-dLLM ranks by
+unnormalised logits averaged over queries and heads; this ranks by their softmax mass (the statistic the attention
+kernels produce; stated, not the paper's). The query set is kept in position order, so with `ahead` and `track` at
+least the capacity every position is recomputed every step in the order a no-cache forward reads them: the tokens
+are `threshold` (rule fast_dllm)'s without a cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
+from compiledllm.errors import UserError
+from compiledllm.kv.pooled import PooledLayout, pool_index
+from compiledllm.policies.base import Policy, PolicyConfig, check_probability
+from compiledllm.policies.peer_rules import select
+from compiledllm.policies.plan import Forward, Update, route_groups
+
+TRACK_FROM_LAYER = 2  # the tracker counts the layers past the first two
+
+
+@dataclass(frozen=True)
+class FlashDLLMConfig(PolicyConfig):
+    threshold: float = 0.9
+    track: int = 64   # decoded positions of largest attention mass recomputed each step
+    ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_probability("threshold", self.threshold)
+        for key in ("track", "ahead"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+
+
+class FlashDLLMPolicy(Policy):
+    name = "flash_dllm"
+    config: FlashDLLMConfig
+    phases = ("refresh", "decode")
+    row_phases = ("refresh",)
+
+    def __init__(self, config, mask_id, bidirectional=False):
+        if not bidirectional:
+            raise UserError("policy flash_dllm: Flash-dLLM's cache of a bidirectional model (LLaDA); a block-causal "
+                            "model's own KV cache is exact: use threshold")
+        super().__init__(config, mask_id, bidirectional)
+
+    # --- where KV lives ------------------------------------------------------------------------------------------
+    @property
+    def caches_kv(self) -> bool:
+        return True
+
+    def kv_layout(self, model, slots: int, capacity: int):
+        self.layers = model.config.num_layers
+        return PooledLayout.for_model(model, slots, capacity)
+
+    def prefill_end(self, prompt_len: int) -> int:
+        return 0  # the refresh forward writes every position
+
+    def first_block(self, prompt_len: int) -> int:
+        return prompt_len
+
+    def queries(self, capacity: int) -> int:
+        """Q: the decode forward's query slots (block, previous step's tokens, window ahead, tracked)."""
+        Bk = self.block_size
+        return 2 * Bk + min(self.config.ahead, capacity) + min(self.config.track, capacity)
+
+    def init_state(self, batch, device):
+        zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
+        return {"fresh": zeros(), "nfe": zeros()}
+
+    def capacity_state(self, batch, capacity, device):
+        # stats: the attention mass per key of the last forward (its KV source, then its window); mass: that mass at
+        # each position (the tracker's score); new: the positions decoded in the last step
+        return {"stats": torch.zeros(batch, capacity + self.queries(capacity), device=device),
+                "mass": torch.zeros(batch, capacity, device=device),
+                "new": torch.zeros(batch, capacity, dtype=torch.bool, device=device)}
+
+    # --- the step ------------------------------------------------------------------------------------------------
+    def acting(self, phase: str, st) -> torch.Tensor:
+        fresh = st.policy["fresh"] > 0
+        return st.active & (fresh if phase == "decode" else ~fresh)
+
+    def block(self, st) -> torch.Tensor:
+        T = st.seq.shape[1]
+        return (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
+
+    def stats_layers(self) -> tuple[int, ...] | None:
+        return tuple(range(TRACK_FROM_LAYER, self.layers)) if self.layers > TRACK_FROM_LAYER else None
+
+    def plan(self, phase, st):
+        B, T = st.seq.shape
+        dev = st.seq.device
+        act = self.acting(phase, st)
+        idx = self.block(st)
+        pos = torch.arange(T, device=dev).expand(B, T)
+        masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & (pos < st.work_len[:, None])
+        need = masked.gather(1, idx) & act[:, None]
+        if phase == "refresh":  # the whole working sequence, no KV source; writes every position
+            live = (pos < st.work_len[:, None]) & act[:, None]
+            counted = masked & (pos < st.block_start[:, None] + self.block_size + self.config.ahead) & act[:, None]
+            spec = AttentionSpec(Bidirectional(st.work_len), stats=st.policy["stats"][:, :T], stats_queries=counted,
+                                 stats_layers=self.stats_layers())
+            return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=idx, logits_rows=need,
+                           route_groups=route_groups(pos, self.block_size, live))
+        q_pos, q_live, counted, logits_at = self.query_set(st, masked, act)
+        # the cache everywhere else: the positions of the working sequence outside the set, in order
+        is_query = torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
+            1, torch.where(q_live, q_pos, T), True)[:, :T]
+        cached = (pos < st.work_len[:, None]) & ~is_query & act[:, None]
+        order = torch.sort(torch.where(cached, pos, T + pos), dim=1).indices  # cached positions first, in order
+        dead = (~q_live).int()
+        see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
+        spec = AttentionSpec(QueryGroups(dead, see),
+                             prefix_len=cached.sum(1), kv_index=pool_index(order, T), stats=st.policy["stats"],
+                             stats_queries=counted, stats_layers=self.stats_layers())
+        return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
+                       logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live))
+
+    def query_set(self, st, masked: torch.Tensor, act: torch.Tensor) -> tuple:
+        """(positions [B, Q], live [B, Q], counted [B, Q]: the masked queries whose attention the tracker counts,
+        logits_at [B, B_k]: the block's queries): the set in position order, padding (not live) last."""
+        B, T = st.seq.shape
+        Bk, dev = self.block_size, st.seq.device
+        pos = torch.arange(T, device=dev).expand(B, T)
+        bs = st.block_start[:, None]
+        in_block = (pos >= bs) & (pos < bs + Bk)
+        working = pos < st.work_len[:, None]
+        past = masked & (pos >= bs + Bk)
+        ahead = past & (past.cumsum(1) <= self.config.ahead)
+        new = st.policy["new"] & working & ~in_block
+        score = torch.where(working & ~masked & ~in_block & ~new, st.policy["mass"], float("-inf"))
+        k = min(self.config.track, T)
+        top = torch.topk(score, k, dim=1)
+        chosen = torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
+            1, torch.where(top.values > float("-inf"), top.indices, T), True)[:, :T]
+        member = (in_block | new | ahead | chosen) & act[:, None]
+        Q = self.queries(T)
+        keyed = torch.where(member, pos, T + pos)
+        q_pos = torch.sort(keyed, dim=1).values % T  # members first, in position order
+        q_pos = q_pos[:, :Q] if Q <= T else torch.cat([q_pos, q_pos.new_zeros(B, Q - T)], 1)
+        q_live = torch.arange(Q, device=dev)[None] < member.sum(1, keepdim=True)
+        counted = q_live & (masked.gather(1, q_pos)) & (in_block | ahead).gather(1, q_pos)
+        before = (member & (pos < bs)).sum(1, keepdim=True)  # the block's first query: after the set's earlier ones
+        logits_at = (before + torch.arange(Bk, device=dev)).clamp(max=Q - 1)
+        return q_pos, q_live, counted, logits_at
+
+    def update(self, phase, st, fwd, logits):
+        B, T = st.seq.shape
+        act = self.acting(phase, st)
+        idx = self.block(st)
+        tokens = st.seq.gather(1, idx)
+        masked = (tokens == self.mask_id) & (idx >= st.prompt_len[:, None]) & act[:, None]
+        nfe = st.policy["nfe"]
+        v, p = self.choose(logits, masked, self.noise_keys(st, idx, nfe))
+        left = masked.sum(1)
+        accept = select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
+                        False)
+        done = act & (accept.sum(1) == left)
+        stats = st.policy["stats"]
+        mass = torch.zeros(B, T + 1, device=stats.device)
+        if phase == "refresh":  # the window is the working sequence, in order
+            mass[:, :T] = stats[:, :T]
+        else:  # the KV source through its index, then the window at the set's positions
+            rows = torch.arange(B, device=stats.device)[:, None]
+            order = fwd.attention.kv_index - rows * (T + 1)
+            mass.scatter_add_(1, order, stats[:, :T])
+            live = fwd.kv_write >= 0
+            mass.scatter_add_(1, torch.where(live, fwd.positions, T), torch.where(live, stats[:, T:], 0.0))
+        new = torch.zeros(B, T + 1, dtype=torch.bool, device=stats.device).scatter_(
+            1, torch.where(accept, idx, T), True)[:, :T]
+        state = {"fresh": torch.where(act, torch.ones_like(nfe), st.policy["fresh"]), "nfe": nfe + act.long(),
+                 "mass": torch.where(act[:, None], mass[:, :T], st.policy["mass"]),
+                 "new": torch.where(act[:, None], new, st.policy["new"]), "stats": torch.zeros_like(stats)}
+        return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(), state)
+
+    # --- host ----------------------------------------------------------------------------------------------------
+    def on_blocks(self, host, rows):
+        h = host.state.setdefault("stale", set())
+        for s, n in zip(rows, host.st.steps[rows].tolist()):
+            if n == 0:  # just admitted: its first step is the refresh
+                h.add(s)
+
+    def schedule(self, step):
+        from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
+
+        stale = step.state.get("stale", set())
+        rows = tuple(s for s in step.rows if s in stale)
+        stale.difference_update(rows)
+        return [PhaseRun("refresh", rows), "decode"]
+
+    def on_move(self, host, src, dst):
+        stale = host.state.get("stale", set())
+        if src in stale:
+            stale.discard(src)
+            stale.add(dst)
+
+    def report(self, st, slot):
+        return {"nfe": int(st.policy["nfe"][slot])}

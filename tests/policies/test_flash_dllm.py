@@ -1,0 +1,116 @@
+"""`flash_dllm` (compiledllm/policies/flash_dllm.py, Flash-dLLM's selective cache update for a bidirectional model):
+with `ahead` and `track` covering the capacity every position is recomputed every step, and its tokens are those of
+the no-cache decode with the same rule (`threshold`, rule fast_dllm); with small ones the cache is approximate
+(different tokens), batched == alone; the query set is the block, the previous step's tokens, the window ahead and
+the tracked positions of largest mass."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from checkpoints import write_checkpoint
+
+import compiledllm
+from compiledllm.engine import Engine, EngineConfig
+from compiledllm.errors import UserError
+from compiledllm.policies import make_policy, policy_config
+
+BLOCK, CAPACITY = 4, 40
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada", 6))
+
+
+def prompts(lengths, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
+
+
+def run(model, policy: dict, ps, batch: int, n: int = 16, **kw):
+    engine = Engine(model, EngineConfig(policy, max_new_tokens=n, batch_size=batch, max_seq_len=CAPACITY,
+                                        ignore_eos=True, **kw))
+    return engine.generate(ps)
+
+
+def flash(tau: float, ahead: int, track: int) -> dict:
+    return {"name": "flash_dllm", "block_size": BLOCK, "threshold": tau, "ahead": ahead, "track": track}
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.3])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_position_recomputed_is_the_no_cache_decode(model, tau, batch):
+    ps = prompts([5, 9, 3, 12, 7])
+    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau}
+    want = [r.output_ids for r in run(model, nocache, ps, batch)]
+    got = run(model, flash(tau, CAPACITY, CAPACITY), ps, batch)
+    assert [r.output_ids for r in got] == want
+    assert all(r.extra["nfe"] > 0 for r in got)
+
+
+@pytest.mark.parametrize("ahead,track", [(2, 3), (0, 0), (8, 1)])
+def test_small_sets_are_approximate_and_batch_invariant(model, ahead, track):
+    ps = prompts([5, 9, 3, 12, 7], seed=3)
+    alone = [run(model, flash(0.5, ahead, track), [p], 1)[0].output_ids for p in ps]
+    batched = run(model, flash(0.5, ahead, track), ps, 3, buckets=(1, 2, 3))
+    assert [r.output_ids for r in batched] == alone
+    exact = [r.output_ids for r in run(model, flash(0.5, CAPACITY, CAPACITY), ps, 3)]
+    assert alone != exact, "the cache changed nothing"
+
+
+def test_the_query_set_is_block_new_ahead_and_the_most_attended(model):
+    """One row: prompt 0-5, block 8-11, working length 20; decoded 6 and 7 (7 in the last step), masked 8-19 but 9;
+    ahead 3, track 2: the block, 7, the next three masked past the block (12, 13, 14) and the two decoded positions
+    outside those with the largest mass (2 and 6), in position order, padding last."""
+    policy = make_policy(policy_config(flash(0.9, 3, 2)), model.mask_token_id, bidirectional=True)
+    T, M = 24, model.mask_token_id
+    seq = torch.tensor([[5] * 8 + [M] * 16])
+    seq[0, 9] = 7
+    mass = torch.zeros(1, T)
+    mass[0, [2, 6, 3, 9, 13]] = torch.tensor([0.5, 0.4, 0.1, 9.0, 9.0])  # 9: in the block; 13: masked
+    new = torch.zeros(1, T, dtype=torch.bool)
+    new[0, [7, 9]] = True
+    st = SimpleNamespace(seq=seq, prompt_len=torch.tensor([6]), work_len=torch.tensor([20]),
+                         block_start=torch.tensor([8]), policy={"mass": mass, "new": new})
+    masked = (seq == M) & (torch.arange(T) >= 6) & (torch.arange(T) < 20)
+    q_pos, live, counted, logits_at = policy.query_set(st, masked, torch.tensor([True]))
+    n = int(live.sum())
+    assert q_pos[0, :n].tolist() == [2, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert q_pos.shape[1] == policy.queries(T) and not live[0, n:].any()
+    assert q_pos[0, :n][counted[0, :n]].tolist() == [8, 10, 11, 12, 13, 14]  # the masked block and window queries
+    assert q_pos[0].gather(0, logits_at[0]).tolist() == [8, 9, 10, 11]
+
+
+def test_refuses_a_block_causal_model_and_bad_settings(tmp_path):
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "s", "sdar", 1))
+    with pytest.raises(UserError, match="flash_dllm"):
+        Engine(model, EngineConfig(flash(0.9, 4, 4), max_new_tokens=4))
+    with pytest.raises(UserError, match="track: must be >= 0"):
+        policy_config(flash(0.9, 4, -1))
+
+
+def test_compiled_equals_eager(model, compile_kw):
+    ps = prompts([5, 2, 9, 3], seed=6)
+    kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
+    eager = Engine(model, EngineConfig(flash(0.6, 3, 2), **kw)).generate(ps)
+    compiled = Engine(model, EngineConfig(flash(0.6, 3, 2), compile=True, **kw)).generate(ps)
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    assert [r.extra["nfe"] for r in compiled] == [r.extra["nfe"] for r in eager]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_graphs_equal_eager(tmp_path, dtype):
+    """The refresh on a subset of rows and the decode's query set (sorts, scatters, an indexed KV source) captured
+    once per (phase, bucket); bf16 with head_dim 64 runs the packed-attention kernel."""
+    ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
+    ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
+    kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
+    eager = Engine(model, EngineConfig(flash(0.9, 6, 5), cuda_graphs=False, **kw)).generate(ps)
+    graphs = Engine(model, EngineConfig(flash(0.9, 6, 5), cuda_graphs=True, **kw)).generate(ps)
+    assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
+    assert [r.extra["nfe"] for r in graphs] == [r.extra["nfe"] for r in eager]
