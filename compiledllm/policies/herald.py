@@ -237,8 +237,9 @@ class HeraldPolicy(HostPool, MagePolicy):
         h = host.state
         if "bstep" not in h:
             n = host.st.active.shape[0]
-            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n, drafted=[False] * n, drafting=(), draft_forwards=0, stall_s=0.0,
-                     scans=0, scan_s=0.0, boundary_s=0.0, draft_s=0.0)
+            h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n,
+                     drafted=[False] * n, drafting=(), draft_forwards=0, stall_s=0.0, scans=0, scan_s=0.0,
+                     boundary_s=0.0, draft_s=0.0)
         return h
 
     def schedule(self, step):

@@ -50,42 +50,44 @@ class HostPool:
         """The CPU scan for `rows`: each selecting layer's centre query (from the row's last draft step) against the
         host pool's keys [0, prefix + B), the keys before prefix ([slots]) ranked, for the rows' idle regions; on
         the worker thread, placed at the rows' boundaries (`wait`: placed now)."""
-        n, h = max(rows) + 1, self._rows(host)
+        n = max(rows) + 1
         view = host.kv.rows(0, n)
         q, at = to_host(host.st.policy["rep_q"][:n]), to_host(prefix[:n])  # issued now, waited for by the worker
 
-        def scan() -> object:
-            t, p = time.perf_counter(), at()
-            out = view.scan(rows, q(), p, p + self.block_size, self.next_keep(p), _worker_threads())
-            h["scan_s"] += time.perf_counter() - t
-            return out
+        def scan():
+            p = at()
+            return view.scan(rows, q(), p, p + self.block_size, self.next_keep(p), _worker_threads())
 
-        h["scans"] += 1
-        job = host.worker.submit(scan)
-        for s in rows:
-            h["pending"][s] = job
+        job = self._submit(host, rows, scan)
         if wait:
             self.host_place(host, job)
 
     def host_values(self, host, rows: list[int], wait: bool) -> None:
         """`keys: device`: the values of the positions the device scan chose for `rows`, gathered from the host pool
         on the worker thread, placed at the rows' boundaries (`wait`: now)."""
-        n, h = max(rows) + 1, self._rows(host)
+        n = max(rows) + 1
         view = host.kv.rows(0, n)
         chosen, kept = to_host(host.kv.next_pos[:, :n]), to_host(host.kv.kept[:n])
+        job = self._submit(host, rows, lambda: view.values_scan(rows, chosen(), kept(), _worker_threads()))
+        if wait:
+            self.host_place(host, job)
 
-        def gather() -> object:
+    def _submit(self, host, rows: list[int], work):
+        """`work` (host work that returns a Scanned) on the worker, its seconds counted in `scan_s`; the rows wait
+        for it (`pending`) until their boundary places it."""
+        h = self._rows(host)
+
+        def timed():
             t = time.perf_counter()
-            out = view.values_scan(rows, chosen(), kept(), _worker_threads())
+            out = work()
             h["scan_s"] += time.perf_counter() - t
             return out
 
-        job = host.worker.submit(gather)
         h["scans"] += 1
+        job = host.worker.submit(timed)
         for s in rows:
             h["pending"][s] = job
-        if wait:
-            self.host_place(host, job)
+        return job
 
     def host_place(self, host, job) -> None:
         """A scan job's selections into the idle regions of the rows still waiting for it (waits for the job; the
@@ -105,10 +107,10 @@ class HostPool:
             h["pending"][s] = None
 
     def host_stats(self, host) -> dict:
-        """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on the worker) and the seconds rows
-        waited for them at their boundaries (HERALD's pipeline stall); the engine thread's seconds in the boundary
-        hooks (placing, copying blocks out, swapping pools; the stall included) and after draft steps, and in each of the
-        store's host-side methods (`store_s`)."""
+        """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on
+        the worker) and the seconds rows waited for them at their boundaries (HERALD's pipeline stall); the engine
+        thread's seconds in the boundary hooks (placing, copying blocks out, swapping pools; the stall included),
+        after draft steps, and in each of the store's host-side methods (`store_s`)."""
         h = host.state
         if "scans" not in h:
             return {}

@@ -60,7 +60,8 @@ def main() -> None:
     args = ap.parse_args()
     threads = max(1, (os.cpu_count() or 2) - 1)  # as policies/herald_pool._worker_threads
     S, keep = args.prefix, max(1, round(BUDGET * args.prefix))
-    rec: dict = {"prefix": S, "threads": threads, "shape": {"layers": LAYERS, "kv_heads": KVH, "group": G, "head_dim": D},
+    rec: dict = {"prefix": S, "threads": threads,
+                 "shape": {"layers": LAYERS, "kv_heads": KVH, "group": G, "head_dim": D},
                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if torch.cuda.is_available():
