@@ -23,10 +23,13 @@ unnormalised logits averaged over queries and heads; this ranks by their softmax
 kernels produce; stated, not the paper's). The query set is kept in position order, so with `ahead` and `track` at
 least the capacity every position is recomputed every step in the order a no-cache forward reads them: the tokens
 are `threshold` (rule fast_dllm)'s without a cache.
+
+`verify: true` adds Flash-Verify's forward after each decode step (phase "verify", policies/flash_verify.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -34,6 +37,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
+from compiledllm.policies.flash_verify import FlashVerify
 from compiledllm.policies.peer_rules import select
 from compiledllm.policies.plan import Forward, Update, route_groups
 
@@ -45,16 +49,27 @@ class FlashDLLMConfig(PolicyConfig):
     threshold: float = 0.9
     track: int = 64   # decoded positions of largest attention mass recomputed each step
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
+    # Flash-Verify (policies/flash_verify.py): a second forward a step checks the `search` most confident drafts the
+    # rule left, accepted along the decoding order by `verify_rule` at `gamma`
+    verify: bool = False
+    gamma: float = 0.8
+    verify_rule: Literal["agree", "prefix_product"] = "agree"
+    search: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
+        check_probability("gamma", self.gamma)
         for key in ("track", "ahead"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.verify_rule not in ("agree", "prefix_product"):
+            raise ValueError(f"verify_rule: must be agree or prefix_product, got {self.verify_rule!r}")
+        if not 1 <= self.search <= 14:
+            raise ValueError(f"search: must be within [1, 14] (two attention groups per position), got {self.search}")
 
 
-class FlashDLLMPolicy(Policy):
+class FlashDLLMPolicy(FlashVerify, Policy):
     name = "flash_dllm"
     config: FlashDLLMConfig
     phases = ("refresh", "decode")
@@ -65,6 +80,8 @@ class FlashDLLMPolicy(Policy):
             raise UserError("policy flash_dllm: Flash-dLLM's cache of a bidirectional model (LLaDA); a block-causal "
                             "model's own KV cache is exact: use threshold")
         super().__init__(config, mask_id, bidirectional)
+        if config.verify:
+            self.phases = ("refresh", "decode", "verify")
 
     # --- where KV lives ------------------------------------------------------------------------------------------
     @property
@@ -88,7 +105,12 @@ class FlashDLLMPolicy(Policy):
 
     def init_state(self, batch, device):
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
-        return {"fresh": zeros(), "nfe": zeros()}
+        state = {"fresh": zeros(), "nfe": zeros()}
+        if self.config.verify:  # the search set (positions + 1, 0: none) and its drafts; drafts accepted so far
+            S = self.config.search
+            state |= {"search_pos": torch.zeros(batch, S, dtype=torch.long, device=device),
+                      "search_tok": torch.zeros(batch, S, dtype=torch.long, device=device), "verified": zeros()}
+        return state
 
     def capacity_state(self, batch, capacity, device):
         # stats: the attention mass per key of the last forward (its KV source, then its window); mass: that mass at
@@ -100,7 +122,7 @@ class FlashDLLMPolicy(Policy):
     # --- the step ------------------------------------------------------------------------------------------------
     def acting(self, phase: str, st) -> torch.Tensor:
         fresh = st.policy["fresh"] > 0
-        return st.active & (fresh if phase == "decode" else ~fresh)
+        return st.active & (~fresh if phase == "refresh" else fresh)
 
     def block(self, st) -> torch.Tensor:
         T = st.seq.shape[1]
@@ -117,6 +139,8 @@ class FlashDLLMPolicy(Policy):
         pos = torch.arange(T, device=dev).expand(B, T)
         masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & (pos < st.work_len[:, None])
         need = masked.gather(1, idx) & act[:, None]
+        if phase == "verify":
+            return self.verify_plan(st, act)
         if phase == "refresh":  # the whole working sequence, no KV source; writes every position
             live = (pos < st.work_len[:, None]) & act[:, None]
             counted = masked & (pos < st.block_start[:, None] + self.block_size + self.config.ahead) & act[:, None]
@@ -125,18 +149,47 @@ class FlashDLLMPolicy(Policy):
             return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=idx, logits_rows=need,
                            route_groups=route_groups(pos, self.block_size, live))
         q_pos, q_live, counted, logits_at = self.query_set(st, masked, act)
-        # the cache everywhere else: the positions of the working sequence outside the set, in order
-        is_query = torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
+        prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
+        see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
+        spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
+                             stats=st.policy["stats"], stats_queries=counted, stats_layers=self.stats_layers())
+        return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
+                       logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live))
+
+    @staticmethod
+    def cache_around(st, q_pos: torch.Tensor, q_live: torch.Tensor, act: torch.Tensor) -> tuple:
+        """(prefix_len [B], kv_index [B, T]): the cache everywhere but the live queries' positions, in position order
+        (the KV source a forward of these queries reads)."""
+        B, T = st.seq.shape
+        pos = torch.arange(T, device=st.seq.device).expand(B, T)
+        is_query = torch.zeros(B, T + 1, dtype=torch.bool, device=st.seq.device).scatter_(
             1, torch.where(q_live, q_pos, T), True)[:, :T]
         cached = (pos < st.work_len[:, None]) & ~is_query & act[:, None]
         order = torch.sort(torch.where(cached, pos, T + pos), dim=1).indices  # cached positions first, in order
-        dead = (~q_live).int()
-        see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
-        spec = AttentionSpec(QueryGroups(dead, see),
-                             prefix_len=cached.sum(1), kv_index=pool_index(order, T), stats=st.policy["stats"],
-                             stats_queries=counted, stats_layers=self.stats_layers())
-        return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
-                       logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live))
+        return cached.sum(1), pool_index(order, T)
+
+    @staticmethod
+    def compact(member: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, Q], live [B, Q]): the positions where `member` [B, T], in order, then padding."""
+        B, T = member.shape
+        pos = torch.arange(T, device=member.device).expand(B, T)
+        q_pos = torch.sort(torch.where(member, pos, T + pos), dim=1).values % T  # members first, in order
+        q_pos = q_pos[:, :Q] if Q <= T else torch.cat([q_pos, q_pos.new_zeros(B, Q - T)], 1)
+        return q_pos, torch.arange(Q, device=member.device)[None] < member.sum(1, keepdim=True)
+
+    def tracked(self, st, masked: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: the `track` decoded positions outside the block and the last step's tokens that the masked
+        queries attended to most in the last forward."""
+        B, T = st.seq.shape
+        Bk, dev = self.block_size, st.seq.device
+        pos = torch.arange(T, device=dev).expand(B, T)
+        bs = st.block_start[:, None]
+        in_block = (pos >= bs) & (pos < bs + Bk)
+        working = pos < st.work_len[:, None]
+        score = torch.where(working & ~masked & ~in_block & ~st.policy["new"], st.policy["mass"], float("-inf"))
+        top = torch.topk(score, min(self.config.track, T), dim=1)
+        return torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
+            1, torch.where(top.values > float("-inf"), top.indices, T), True)[:, :T]
 
     def query_set(self, st, masked: torch.Tensor, act: torch.Tensor) -> tuple:
         """(positions [B, Q], live [B, Q], counted [B, Q]: the masked queries whose attention the tracker counts,
@@ -150,17 +203,9 @@ class FlashDLLMPolicy(Policy):
         past = masked & (pos >= bs + Bk)
         ahead = past & (past.cumsum(1) <= self.config.ahead)
         new = st.policy["new"] & working & ~in_block
-        score = torch.where(working & ~masked & ~in_block & ~new, st.policy["mass"], float("-inf"))
-        k = min(self.config.track, T)
-        top = torch.topk(score, k, dim=1)
-        chosen = torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
-            1, torch.where(top.values > float("-inf"), top.indices, T), True)[:, :T]
-        member = (in_block | new | ahead | chosen) & act[:, None]
+        member = (in_block | new | ahead | self.tracked(st, masked)) & act[:, None]
         Q = self.queries(T)
-        keyed = torch.where(member, pos, T + pos)
-        q_pos = torch.sort(keyed, dim=1).values % T  # members first, in position order
-        q_pos = q_pos[:, :Q] if Q <= T else torch.cat([q_pos, q_pos.new_zeros(B, Q - T)], 1)
-        q_live = torch.arange(Q, device=dev)[None] < member.sum(1, keepdim=True)
+        q_pos, q_live = self.compact(member, Q)
         counted = q_live & (masked.gather(1, q_pos)) & (in_block | ahead).gather(1, q_pos)
         before = (member & (pos < bs)).sum(1, keepdim=True)  # the block's first query: after the set's earlier ones
         logits_at = (before + torch.arange(Bk, device=dev)).clamp(max=Q - 1)
@@ -169,6 +214,8 @@ class FlashDLLMPolicy(Policy):
     def update(self, phase, st, fwd, logits):
         B, T = st.seq.shape
         act = self.acting(phase, st)
+        if phase == "verify":
+            return self.verify_update(st, act, logits)
         idx = self.block(st)
         tokens = st.seq.gather(1, idx)
         masked = (tokens == self.mask_id) & (idx >= st.prompt_len[:, None]) & act[:, None]
@@ -193,6 +240,9 @@ class FlashDLLMPolicy(Policy):
         state = {"fresh": torch.where(act, torch.ones_like(nfe), st.policy["fresh"]), "nfe": nfe + act.long(),
                  "mass": torch.where(act[:, None], mass[:, :T], st.policy["mass"]),
                  "new": torch.where(act[:, None], new, st.policy["new"]), "stats": torch.zeros_like(stats)}
+        if self.config.verify:  # what the verify forward checks: the drafts the rule left
+            search, drafts = self.search_set(p, masked, accept, v, idx)
+            state |= {"search_pos": torch.where(act[:, None], search, 0), "search_tok": drafts}
         return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(), state)
 
     # --- host ----------------------------------------------------------------------------------------------------
@@ -208,7 +258,7 @@ class FlashDLLMPolicy(Policy):
         stale = step.state.get("stale", set())
         rows = tuple(s for s in step.rows if s in stale)
         stale.difference_update(rows)
-        return [PhaseRun("refresh", rows), "decode"]
+        return [PhaseRun("refresh", rows), *self.phases[1:]]
 
     def on_move(self, host, src, dst):
         stale = host.state.get("stale", set())
@@ -217,4 +267,7 @@ class FlashDLLMPolicy(Policy):
             stale.add(dst)
 
     def report(self, st, slot):
-        return {"nfe": int(st.policy["nfe"][slot])}
+        out = {"nfe": int(st.policy["nfe"][slot])}
+        if self.config.verify:
+            out["verified"] = int(st.policy["verified"][slot])
+        return out

@@ -2,7 +2,8 @@
 with `ahead` and `track` covering the capacity every position is recomputed every step, and its tokens are those of
 the no-cache decode with the same rule (`threshold`, rule fast_dllm); with small ones the cache is approximate
 (different tokens), batched == alone; the query set is the block, the previous step's tokens, the window ahead and
-the tracked positions of largest mass."""
+the tracked positions of largest mass. Flash-Verify (policies/flash_verify.py): at gamma 1 it accepts nothing past
+the confident set; lower, it accepts drafts in fewer forwards, batched == alone; its views see what the paper says."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -83,34 +84,82 @@ def test_the_query_set_is_block_new_ahead_and_the_most_attended(model):
     assert q_pos[0].gather(0, logits_at[0]).tolist() == [8, 9, 10, 11]
 
 
+@pytest.mark.parametrize("rule", ["agree", "prefix_product"])
+def test_verify_at_gamma_one_accepts_nothing_past_the_confident_set(model, rule):
+    ps = prompts([5, 9, 3, 12], seed=4)
+    plain = run(model, flash(0.9, 4, 6), ps, 2)
+    checked = run(model, flash(0.9, 4, 6) | {"verify": True, "gamma": 1.0, "verify_rule": rule}, ps, 2)
+    assert [r.output_ids for r in checked] == [r.output_ids for r in plain]
+    assert all(r.extra["verified"] == 0 for r in checked)
+
+
+@pytest.mark.parametrize("rule,gamma", [("agree", 0.0), ("prefix_product", 0.05)])
+def test_verify_accepts_drafts_batch_invariantly_in_fewer_draft_passes(model, rule, gamma):
+    """A low gamma accepts drafts the confidence rule left (more tokens a step: fewer decode forwards, counting
+    the verify forwards apart); batched == alone."""
+    ps = prompts([5, 9, 3, 12], seed=4)
+    policy = flash(0.9, 4, 6) | {"verify": True, "gamma": gamma, "verify_rule": rule}
+    alone = [run(model, policy, [p], 1)[0] for p in ps]
+    batched = run(model, policy, ps, 3, buckets=(1, 2, 3))
+    assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
+    assert all(r.extra["verified"] > 0 for r in batched)
+    plain = run(model, flash(0.9, 4, 6), ps, 3)
+    assert sum(r.extra["nfe"] for r in batched) < sum(r.extra["nfe"] for r in plain)
+
+
+def test_the_views_see_what_flash_verify_says():
+    """Draft i sees drafts j <= i and masks j > i; mask i sees drafts j < i and masks j >= i; the tracked context
+    sees itself and the masks; all see the tracked context; padding sees only itself."""
+    from compiledllm.policies.flash_verify import view_groups
+
+    S = 3
+    see = view_groups(S, "cpu").tolist()
+    sees = lambda g, h: bool(see[g] >> h & 1)  # noqa: E731
+    draft, mask = (lambda i: 1 + i), (lambda i: 1 + S + i)
+    for i in range(S):
+        for j in range(S):
+            assert sees(draft(i), draft(j)) == (j <= i) and sees(draft(i), mask(j)) == (j > i)
+            assert sees(mask(i), draft(j)) == (j < i) and sees(mask(i), mask(j)) == (j >= i)
+        assert sees(draft(i), 0) and sees(mask(i), 0) and sees(0, mask(i)) and not sees(0, draft(i))
+    assert see[2 * S + 1] == 1 << (2 * S + 1) and not any(sees(g, 2 * S + 1) for g in range(2 * S + 1))
+
+
 def test_refuses_a_block_causal_model_and_bad_settings(tmp_path):
     model = compiledllm.load_model(write_checkpoint(tmp_path / "s", "sdar", 1))
     with pytest.raises(UserError, match="flash_dllm"):
         Engine(model, EngineConfig(flash(0.9, 4, 4), max_new_tokens=4))
     with pytest.raises(UserError, match="track: must be >= 0"):
         policy_config(flash(0.9, 4, -1))
+    with pytest.raises(UserError, match="search: must be within"):
+        policy_config(flash(0.9, 4, 4) | {"verify": True, "search": 15})
+    with pytest.raises(UserError, match="verify_rule"):
+        policy_config(flash(0.9, 4, 4) | {"verify_rule": "vote"})
 
 
-def test_compiled_equals_eager(model, compile_kw):
+@pytest.mark.parametrize("verify", [False, True], ids=["cache", "verify"])
+def test_compiled_equals_eager(model, compile_kw, verify):
     ps = prompts([5, 2, 9, 3], seed=6)
     kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
-    eager = Engine(model, EngineConfig(flash(0.6, 3, 2), **kw)).generate(ps)
-    compiled = Engine(model, EngineConfig(flash(0.6, 3, 2), compile=True, **kw)).generate(ps)
+    policy = flash(0.6, 3, 2) | ({"verify": True, "gamma": 0.3} if verify else {})
+    eager = Engine(model, EngineConfig(policy, **kw)).generate(ps)
+    compiled = Engine(model, EngineConfig(policy, compile=True, **kw)).generate(ps)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     assert [r.extra["nfe"] for r in compiled] == [r.extra["nfe"] for r in eager]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_graphs_equal_eager(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,verify", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)],
+                         ids=["bf16", "fp32", "bf16-verify"])
+def test_cuda_graphs_equal_eager(tmp_path, dtype, verify):
     """The refresh on a subset of rows and the decode's query set (sorts, scatters, an indexed KV source) captured
     once per (phase, bucket); bf16 with head_dim 64 runs the packed-attention kernel."""
     ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
     model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
     ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
     kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
-    eager = Engine(model, EngineConfig(flash(0.9, 6, 5), cuda_graphs=False, **kw)).generate(ps)
-    graphs = Engine(model, EngineConfig(flash(0.9, 6, 5), cuda_graphs=True, **kw)).generate(ps)
+    policy = flash(0.9, 6, 5) | ({"verify": True, "gamma": 0.5} if verify else {})
+    eager = Engine(model, EngineConfig(policy, cuda_graphs=False, **kw)).generate(ps)
+    graphs = Engine(model, EngineConfig(policy, cuda_graphs=True, **kw)).generate(ps)
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
     assert [r.extra["nfe"] for r in graphs] == [r.extra["nfe"] for r in eager]

@@ -1,0 +1,109 @@
+"""Flash-Verify (../shared/papers/flash-dllm.txt; `flash_dllm verify: true`): after a step's draft pass (the decode
+forward), the block's masked positions the confidence rule left are the search set, the S = `search` most confident
+of them in decoding order (confidence, descending) with their draft tokens. One verify forward, writing no KV, holds:
+
+* the tracked context: the block's decoded positions (this step's accepted ones included), the last steps' tokens
+  and the tracked positions (policies/flash_dllm.py), their K/V recomputed;
+* the draft view: the search positions with their draft tokens;
+* the mask view: the same positions as [MASK];
+
+over the cache everywhere else. With views indexed by decoding order, draft i sees drafts j <= i and masks j > i,
+mask i sees drafts j < i and masks j >= i (so mask i predicts position i with the drafts before it filled in), and
+the tracked context sees itself and the mask view (the sequence as it stands), never a draft. Acceptance runs along
+the decoding order and stops at the first failure: `verify_rule: agree` (the paper) accepts draft i while the mask
+view's argmax equals it and its confidence > gamma; `prefix_product` (the public code) while the product of the
+mask view's probabilities of the drafts so far stays >= gamma. Accepted drafts are written like the draft pass's.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiledllm.attention.spec import AttentionSpec, QueryGroups
+from compiledllm.policies.plan import Forward, Update, route_groups
+
+
+def view_groups(S: int, device) -> torch.Tensor:
+    """[2S + 2] int32 visibility bitmasks: group 0 the tracked context, 1 + i draft i, 1 + S + i mask i, 2S + 1
+    padding (itself only)."""
+    i = torch.arange(S, device=device)
+    bit = lambda g: 1 << g  # noqa: E731
+    drafts, masks = bit(1 + i), bit(1 + S + i)
+    below = torch.tril(torch.ones(S, S, dtype=torch.bool, device=device))  # [i, j]: j <= i
+    draft_see = bit(0) + (drafts[None] * below).sum(1) + (masks[None] * ~below).sum(1)
+    mask_see = bit(0) + (drafts[None] * (below & ~torch.eye(S, dtype=torch.bool, device=device))).sum(1) \
+        + (masks[None] * ~(below & ~torch.eye(S, dtype=torch.bool, device=device))).sum(1)
+    tracked_see = bit(0) + masks.sum()
+    pad = torch.full((1,), bit(2 * S + 1), device=device)  # (built on the device: a captured step copies nothing)
+    return torch.cat([tracked_see[None], draft_see, mask_see, pad]).int()
+
+
+class FlashVerify:
+    """flash_dllm's verify phase (uses its config, block, tracker, compaction and cache reads)."""
+
+    def verify_slots(self, capacity: int) -> int:
+        """The verify forward's tracked-context query slots (block, last steps' tokens, tracked)."""
+        return 2 * self.block_size + min(self.config.track, capacity)
+
+    def search_set(self, p: torch.Tensor, masked: torch.Tensor, accept: torch.Tensor, v: torch.Tensor, idx):
+        """(positions + 1 [B, S], tokens [B, S]; 0 / MASK past a row's set): the block's masked positions the rule left,
+        the S most confident first (ties: the lower position), with their draft tokens."""
+        left = masked & ~accept
+        S = self.config.search
+        order = torch.sort(torch.where(left, p, -1.0), dim=1, descending=True, stable=True).indices[:, :S]
+        on = left.gather(1, order)
+        pos, tok = torch.where(on, idx.gather(1, order) + 1, 0), torch.where(on, v.gather(1, order), self.mask_id)
+        if pos.shape[1] < S:  # a block smaller than the search: the rest stays empty
+            pad = pos.new_zeros(pos.shape[0], S - pos.shape[1])
+            pos, tok = torch.cat([pos, pad], 1), torch.cat([tok, pad + self.mask_id], 1)
+        return pos, tok
+
+    def verify_plan(self, st, act: torch.Tensor) -> Forward:
+        B, T = st.seq.shape
+        Bk, S, dev = self.block_size, self.config.search, st.seq.device
+        pos = torch.arange(T, device=dev).expand(B, T)
+        working = pos < st.work_len[:, None]
+        masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & working
+        bs = st.block_start[:, None]
+        in_block = (pos >= bs) & (pos < bs + Bk)
+        search_pos = st.policy["search_pos"] - 1
+        on = (search_pos >= 0) & act[:, None]
+        member = ((in_block & ~masked) | (st.policy["new"] & working) | self.tracked(st, masked)) & act[:, None]
+        t_pos, t_live = self.compact(member, self.verify_slots(T))
+        spos = search_pos.clamp(min=0)
+        q_pos = torch.cat([t_pos, spos, spos], 1)
+        q_live = torch.cat([t_live, on, on], 1)
+        tokens = torch.cat([st.seq.gather(1, t_pos), st.policy["search_tok"],
+                            torch.full_like(spos, self.mask_id)], 1)
+        i = torch.arange(S, device=dev)[None]
+        group = torch.cat([torch.zeros_like(t_pos), (1 + i).expand(B, S), (1 + S + i).expand(B, S)], 1)
+        group = torch.where(q_live, group, 2 * S + 1).int()
+        prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
+        spec = AttentionSpec(QueryGroups(group, view_groups(S, dev)), prefix_len=prefix_len, kv_index=kv_index)
+        masks_at = t_pos.shape[1] + S + i.expand(B, S)
+        return Forward(tokens, q_pos, spec, kv_write=None, logits_at=masks_at, logits_rows=on,
+                       route_groups=route_groups(q_pos, Bk, q_live))
+
+    def verify_update(self, st, act: torch.Tensor, logits: torch.Tensor) -> Update:
+        """Accept the drafts along the decoding order up to the first failure of the rule (see the module)."""
+        search_pos, drafts = st.policy["search_pos"] - 1, st.policy["search_tok"]
+        on = (search_pos >= 0) & act[:, None]
+        probs = torch.softmax(torch.where(on[..., None], logits, 0.0).float(), dim=-1)
+        probs[..., self.mask_id] = 0.0  # (MASK is never a prediction)
+        conf, pred = probs.max(-1)
+        p_draft = probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
+        if self.config.verify_rule == "agree":
+            ok = on & (pred == drafts) & (conf > self.config.gamma)
+        else:
+            ok = on & (torch.cumprod(torch.where(on, p_draft, 1.0), dim=1) >= self.config.gamma)
+        accept = torch.cumprod(ok.long(), dim=1).bool()
+        T = st.seq.shape[1]
+        write = torch.where(accept, search_pos, -1)
+        idx = self.block(st)
+        left = ((st.seq.gather(1, idx) == self.mask_id) & (idx >= st.prompt_len[:, None])).sum(1)
+        done = act & (left > 0) & (accept.sum(1) == left)
+        new = st.policy["new"] | torch.zeros(st.seq.shape[0], T + 1, dtype=torch.bool, device=st.seq.device) \
+            .scatter_(1, torch.where(accept, search_pos, T), True)[:, :T]
+        state = {"new": torch.where(act[:, None], new, st.policy["new"]),
+                 "nfe": st.policy["nfe"] + (act & on.any(1)).long(),
+                 "verified": st.policy["verified"] + accept.sum(1)}
+        return Update(write, drafts, done.long(), state)
