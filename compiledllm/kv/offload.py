@@ -287,6 +287,20 @@ class OffloadKV(SelectionStore):
                 self.shared.pending[s] = event
 
     @_timed
+    def fetch_prefix(self, slots: list[int], prefix: list[int]) -> None:
+        """Each slot's host-pool positions [0, prefix) into the scratch cache it holds, on the current stream
+        (MAGE-Offload's second form: the full KV fetched to the device for a block's selection)."""
+        self.shared.flush()
+        self._wait_prefix(slots)
+        cap = self.capacity
+        for s, p in zip(slots, prefix):
+            base = self.shared.held[s] * (cap + 1)
+            for t, host in self._host_pairs():
+                for j in range(host.shape[0]):
+                    for h in range(host.shape[2]):  # contiguous host rows: the copy stays asynchronous
+                        t[j, base : base + p, h].copy_(host[j, s, h, :p], non_blocking=True)
+
+    @_timed
     def offload_block(self, slots: list[int], block: list[int]) -> None:
         """Each slot's block buffer (the block at `block`: a draft's K/V or the final one) -> the host pool: one gather
         of every selecting layer on the device and one transfer, issued here without waiting; the rows are written

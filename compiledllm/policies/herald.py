@@ -63,7 +63,9 @@ class HeraldConfig(MageConfig):
     lookahead: Literal["draft", "none"] = "draft"   # retrieve during block n with its draft, or after it ends
     # forward: the retrieval's own forward, layer by layer over the full prefix (HERALD); scan: the centre [MASK]
     # rides in the draft step as a third query group and its q scores every key of each selecting layer (keys only)
-    retrieval: Literal["forward", "scan"] = "forward"
+    # fetch (pool: host, lookahead: none): MAGE-Offload's second form, each block's full prefix copied from the host
+    # pool into a scratch cache for MAGE's selection (rows wait for a free one)
+    retrieval: Literal["forward", "scan", "fetch"] = "forward"
     # scan: the keys it scores, as cached ("exact") or as an int8 copy with one scale per (row, layer, KV head, channel)
     # over the scanned keys (HERALD's variant 5b: a quarter of the bytes to scan; the selected K/V stay exact)
     scan_keys: Literal["exact", "int8"] = "exact"
@@ -85,8 +87,11 @@ class HeraldConfig(MageConfig):
             raise ValueError(f"query: must be center or block, got {self.query!r}")
         if self.lookahead not in ("draft", "none"):
             raise ValueError(f"lookahead: must be draft or none, got {self.lookahead!r}")
-        if self.retrieval not in ("forward", "scan"):
-            raise ValueError(f"retrieval: must be forward or scan, got {self.retrieval!r}")
+        if self.retrieval not in ("forward", "scan", "fetch"):
+            raise ValueError(f"retrieval: must be forward, scan or fetch, got {self.retrieval!r}")
+        if self.retrieval == "fetch" and (self.pool != "host" or self.lookahead != "none"):
+            raise ValueError("retrieval: fetch copies each block's prefix from the host pool for MAGE's selection "
+                             "(pool: host, lookahead: none)")
         if self.scan_keys not in ("exact", "int8"):
             raise ValueError(f"scan_keys: must be exact or int8, got {self.scan_keys!r}")
         if self.scan_keys == "int8" and self.retrieval != "scan":
@@ -124,6 +129,10 @@ class HeraldPolicy(HostPool, MagePolicy):
     @property
     def scan(self) -> bool:
         return self.config.retrieval == "scan"
+
+    @property
+    def fetch(self) -> bool:
+        return self.config.retrieval == "fetch"
 
     @property
     def host_pool(self) -> bool:
@@ -239,7 +248,7 @@ class HeraldPolicy(HostPool, MagePolicy):
             n = host.st.active.shape[0]
             h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n,
                      drafted=[False] * n, drafting=(), draft_forwards=0, stall_s=0.0, scans=0, scan_s=0.0,
-                     boundary_s=0.0, draft_s=0.0)
+                     boundary_s=0.0, draft_s=0.0, waiting=set())
         return h
 
     def schedule(self, step):
@@ -249,6 +258,8 @@ class HeraldPolicy(HostPool, MagePolicy):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
         h = step.state
+        if self.fetch:  # a row whose prefix waits for a scratch cache takes no part
+            step = replace(step, rows=tuple(s for s in step.rows if s not in h["waiting"]))
         due = [s for s in step.rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
         wait = self.config.draft_wait
         drafting = tuple(due) if any(h["bstep"][s] >= 1 + wait for s in due) else ()
@@ -258,7 +269,8 @@ class HeraldPolicy(HostPool, MagePolicy):
         return tuple(PhaseRun(ph, rows) for ph, rows in (("draft", drafting), (phase, rest)) if rows)
 
     def before_step(self, host, step):
-        self._rows(host)["rows"] = step.rows
+        h = self._rows(host)
+        h["rows"] = tuple(s for s in step.rows if s not in h["waiting"])
 
     def after_step(self, host, report):
         h = self._rows(host)
@@ -267,8 +279,11 @@ class HeraldPolicy(HostPool, MagePolicy):
         for s in h["drafting"]:
             h["drafted"][s] = True
         h["drafting"] = ()
+        selected = [s for s in h["rows"] if h["full"][s] and h["bstep"][s] == 0]  # ran MAGE's select step
         for s in h["rows"]:
             h["bstep"][s] += 1
+        if self.fetch:
+            self.host_fetched(host, selected)
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)
             if self.host_pool:  # the draft's K/V to the host pool, then the retrieval over it
                 t = time.perf_counter()
@@ -318,6 +333,9 @@ class HeraldPolicy(HostPool, MagePolicy):
             host.kv.copy_idle(src, dst)
         for key in ("bstep", "full", "ready", "drafted"):
             h[key][dst] = h[key][src]
+        if src in h["waiting"]:
+            h["waiting"].discard(src)
+            h["waiting"].add(dst)
 
     def retrieve(self, host, rows: list[int], draft: bool) -> None:
         """The selection for the block after each row's current one (`draft`: during the current block, which the

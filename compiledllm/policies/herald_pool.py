@@ -28,7 +28,9 @@ class HostPool:
             kv.offload_prefix(admitted, [starts[s] for s in admitted], host.side_stream)
         unprepared = [s for s in boundary if not h["ready"][s]]
         now = [s for s in unprepared if not self.lookahead or not kv.holds_scratch(s)]
-        if now:
+        if now and self.fetch:  # the prefix to a scratch cache; the block begins with MAGE's select step
+            self.host_fetch(host, now)
+        elif now:
             if self.device_keys:
                 n = max(now) + 1
                 view, prefix = kv.rows(0, n), st.block_start[:n] - Bk
@@ -45,6 +47,29 @@ class HostPool:
         keep = [s for s in unprepared if s not in now]
         if keep:
             kv.rows(0, max(keep) + 1).block_to_scratch(keep, st.block_start - Bk, Bk)
+
+    def host_fetch(self, host, rows: list[int]) -> None:
+        """`retrieval: fetch`: each row's prefix (its completed block included) from the host pool into a scratch
+        cache, or the row waits for one (it takes no part in steps until then)."""
+        h, kv, starts = self._rows(host), host.kv, host.st.block_start.tolist()
+        for s in rows:
+            if kv.admit(s):
+                kv.fetch_prefix([s], [starts[s]])
+            else:
+                h["waiting"].add(s)
+
+    def host_fetched(self, host, selected: list[int]) -> None:
+        """`retrieval: fetch`, after a step: the rows that made their selection give their scratch cache back, and
+        waiting rows take the free ones (their prefix fetched, read in full by their next step)."""
+        h, kv, st = self._rows(host), host.kv, host.st
+        for s in selected:
+            kv.release(s)
+        for s in sorted(h["waiting"]):
+            if not kv.admit(s):
+                break
+            h["waiting"].discard(s)
+            kv.fetch_prefix([s], [int(st.block_start[s])])
+            kv.read_full(row_mask(st.active, [s]), st.block_start)
 
     def host_retrieve(self, host, rows: list[int], prefix: torch.Tensor, wait: bool = True) -> None:
         """The CPU scan for `rows`: each selecting layer's centre query (from the row's last draft step) against the

@@ -52,12 +52,14 @@ def test_whole_budget_is_dense_threshold(model, form):
 
 
 DEVICE_KEYS = HOST | {"keys": "device"}  # variant 5c: keys on the device (scanned there), values in the host pool
+FETCH = {"pool": "host", "lookahead": "none", "retrieval": "fetch"}  # MAGE-Offload (b): the prefix fetched per block
 HOST_FORMS = [HOST | {"scratch": 1}, HOST | {"scratch": 4}, {"pool": "host", "scratch": 2},
-              {"pool": "host", "query": "block"}, {"pool": "host", "lookahead": "none"}, DEVICE_KEYS | {"scratch": 2}]
+              {"pool": "host", "query": "block"}, {"pool": "host", "lookahead": "none"}, DEVICE_KEYS | {"scratch": 2},
+              FETCH | {"scratch": 1}, FETCH | {"scratch": 2}]
 
 
 @pytest.mark.parametrize("form", HOST_FORMS, ids=["scan-1", "scan-4", "forward-2", "forward-block", "none",
-                                                  "device-keys"])
+                                                  "device-keys", "fetch-1", "fetch-2"])
 def test_host_pool_whole_budget_is_dense_threshold(model, form):
     """The scan and the retrieval forward (layer by layer, attention on the CPU) over the host pool, whatever number
     of scratch caches (1: requests wait for one to prefill), batched or alone."""
@@ -66,6 +68,17 @@ def test_host_pool_whole_budget_is_dense_threshold(model, form):
     for batch in (1, 3):
         got = run(model, DENSE | {"name": "herald", "budget": 1.0} | form, batch, ps)
         assert [(r.output_ids, r.steps) for r in got] == dense
+
+
+@pytest.mark.parametrize("scratch", [1, 2, 4])
+def test_fetching_the_prefix_per_block_is_mage(model, scratch):
+    """MAGE-Offload's second form: each block's prefix fetched from the host pool into a scratch cache (rows waiting
+    for one) and MAGE's selection made there: MAGE's tokens, batched (with waits) and alone."""
+    ps = prompts(model.config.vocab_size)
+    mage = [r.output_ids for r in run(model, DENSE | {"name": "mage", "budget": 0.3}, 3, ps)]
+    policy = DENSE | {"name": "herald", "budget": 0.3, "scratch": scratch} | FETCH
+    assert [r.output_ids for r in run(model, policy, 3, ps)] == mage
+    assert [run(model, policy, 1, [p])[0].output_ids for p in ps] == mage
 
 
 @pytest.mark.parametrize("form", HOST_FORMS[2:5], ids=["forward", "forward-block", "none"])
@@ -144,6 +157,7 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
     ({"pool": "host", "keys": "device"}, "keys: device keeps the keys of a host pool on the device"),
     ({"draft_wait": -1}, "draft_wait: must be >= 0"),
+    ({"pool": "host", "retrieval": "fetch"}, "retrieval: fetch copies each block's prefix"),
     ({"lookahead": "none", "draft_wait": 2}, "draft_wait: delays the draft step"),
 ])
 def test_bad_settings_are_one_line_errors(params, message):
@@ -161,8 +175,8 @@ def test_compiled_equals_eager(model, compile_kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 @pytest.mark.parametrize("budget", [1.0, 0.3])
-@pytest.mark.parametrize("form", [{}, HOST, {"pool": "host"}, DEVICE_KEYS],
-                         ids=["device", "host-scan", "host-forward", "device-keys"])
+@pytest.mark.parametrize("form", [{}, HOST, {"pool": "host"}, DEVICE_KEYS, FETCH | {"scratch": 2}],
+                         ids=["device", "host-scan", "host-forward", "device-keys", "fetch"])
 def test_captured_equals_eager_on_the_gpu(tmp_path, budget, form):
     """The main steps replayed as CUDA graphs (the draft phase, the stats in the Triton kernel) with the host hooks'
     retrieval and swaps between them == eager (bf16); with the whole budget (float32) == dense threshold. The host
