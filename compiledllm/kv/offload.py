@@ -41,13 +41,18 @@ from compiledllm.kv.store import DeviceKV
 
 @dataclass(frozen=True)
 class Scanned:
-    """A CPU scan's result for store rows [first, first + n): the rows it selected for (`on` [n]), their keep counts
-    and, per selecting layer, the gathered K / V [2, n, KVH, k, D] on the host."""
+    """A CPU scan's result for the rows it selected for: store slots first + rows[i], their keep counts [m] and, per
+    selecting layer, the gathered K and V (or V alone) [m, 2 or 1, KVH, k, D] on the host (pinned on CUDA): only
+    those rows cross to the device."""
 
     first: int
-    on: torch.Tensor
+    rows: list[int]
     keep: torch.Tensor
     staged: list[torch.Tensor]
+
+    @property
+    def slots(self) -> list[int]:
+        return [self.first + b for b in self.rows]
 
 
 @dataclass(frozen=True)
@@ -363,6 +368,11 @@ class OffloadKV(SelectionStore):
                 chosen.append(host_attention(q[:, j][:, :, None], hk, None, end, keep, prefix)[2])
         return self.gathered(on, keep, chosen, threads)
 
+    def _staging(self, m: int, kinds: int, k: int) -> torch.Tensor:
+        """[m, kinds, KVH, k, D] host staging of a selection (pinned where the pool is)."""
+        hv = self.host_v
+        return torch.empty(m, kinds, hv.shape[2], k, hv.shape[4], dtype=hv.dtype, pin_memory=hv.is_pinned())
+
     @property
     def fused(self) -> bool:
         """Whether the host pool goes through ext/'s fused kernel (bf16 pools, the extension built)."""
@@ -370,20 +380,23 @@ class OffloadKV(SelectionStore):
 
     def gathered(self, on: torch.Tensor, keep: torch.Tensor, chosen: list[torch.Tensor], threads: int = 0
                  ) -> "Scanned":
-        """Rows [first, first + n): per selecting layer the K/V of the positions chosen[j] ([n, KVH, k] int32, -1:
-        none) gathered from the host pool into staging [2, n, KVH, k, D]."""
-        n = on.shape[0]
-        rows = slice(self.first, self.first + n)
+        """The view's rows where `on` [n]: per selecting layer the K/V of the positions chosen[j] ([n, KVH, k] int32,
+        -1: none) gathered from the host pool into staging [m, 2, KVH, k, D]."""
+        rows = on.nonzero()[:, 0].tolist()
+        heads = torch.arange(self.host_v.shape[2])[:, None]
         staged = []
         for j, idx in enumerate(chosen):
-            hk, hv = self.host_k[j][rows], self.host_v[j][rows]
-            if self.fused:
-                staged.append(cpu_select.gather(hk, hv, idx, threads=threads))
-            else:
-                safe = idx.clamp(min=0).long()
-                b, h = torch.arange(n)[:, None, None], torch.arange(hk.shape[1])[None, :, None]
-                staged.append(torch.stack([hk[b, h, safe], hv[b, h, safe]]))
-        return Scanned(self.first, on, keep, staged)
+            out = self._staging(len(rows), 2, idx.shape[2])
+            for i, b in enumerate(rows):
+                s = self.first + b
+                if self.fused:
+                    cpu_select.gather(self.host_k[j][s : s + 1], self.host_v[j][s : s + 1], idx[b : b + 1],
+                                      out=out[i].unsqueeze(1), threads=threads)
+                else:
+                    safe = idx[b].clamp(min=0).long()
+                    out[i] = torch.stack([self.host_k[j][s][heads, safe], self.host_v[j][s][heads, safe]])
+            staged.append(out)
+        return Scanned(self.first, rows, keep[rows], staged)
 
     def host_attend(self, lengths: torch.Tensor, keep: torch.Tensor, prefix: torch.Tensor) -> "HostAttendView":
         """A forward's store where the selecting layers attend on the CPU over the host pool's keys [0, lengths)
@@ -394,23 +407,24 @@ class OffloadKV(SelectionStore):
         return HostAttendView(self, lengths, keep, prefix)
 
     @_timed
-    def place(self, scanned: "Scanned", only: torch.Tensor | None = None) -> None:
-        """A scan's selections into its rows' idle regions (one host-to-device copy per layer and K / V), for the rows
-        `only` [n] (default all) keeps; kept := its keep counts."""
-        n = scanned.on.shape[0]
-        view = self.rows(scanned.first - self.first, scanned.first - self.first + n)
-        on = (scanned.on if only is None else scanned.on & only).to(self.device)
-        idle = 1 - self.region[view._rows()]
-        first = scanned.staged[0]  # [K and V, or V, n, KVH, k, D]
+    def place(self, scanned: "Scanned", only: list[int] | None = None) -> None:
+        """A scan's selections into its rows' idle regions (one host-to-device copy per layer), for the store slots
+        `only` (default all of its rows) keeps; their kept := its keep counts."""
+        slots = scanned.slots
+        pick = [i for i, s in enumerate(slots) if only is None or s in only]
+        if not pick:
+            return
+        first = scanned.staged[0]  # [m, K and V or V, KVH, k, D]
         x = torch.empty(len(scanned.staged), *first.shape, dtype=first.dtype, device=self.device)
         for j, part in enumerate(scanned.staged):  # one transfer per layer (each part is contiguous, pinned on CUDA)
             x[j].copy_(part, non_blocking=True)
-        dest = view._region_base(idle)[:, None] + torch.arange(first.shape[3], device=self.device)  # [n, k]
-        for t, new in zip(self.pools[2 - first.shape[0]:], x.unbind(1)):  # [K, V] or [V]
-            new = new.transpose(2, 3).to(t.dtype)  # [L, n, k, KVH, D]
-            t[:, dest] = torch.where(on[None, :, None, None, None], new, t[:, dest])
-        r = view._rows()
-        self.kept[r] = torch.where(on, scanned.keep.to(self.device), self.kept[r])
+        at = torch.tensor(pick, device=self.device)
+        rows = torch.tensor([slots[i] for i in pick], device=self.device)
+        base = self.size.scratch_rows + ((1 - self.region[rows]) * self.size.slots + rows) * self.per_row
+        dest = base[:, None] + torch.arange(first.shape[3], device=self.device)  # [picked, k]: their idle regions
+        for t, new in zip(self.pools[2 - first.shape[1]:], x[:, at].unbind(2)):  # [K, V] or [V]
+            t[:, dest] = new.transpose(2, 3).to(t.dtype)  # [L, picked, k, KVH, D]
+        self.kept[rows] = scanned.keep[pick].to(self.device)
 
     def select_next_keys(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor,
                          keep: torch.Tensor) -> None:
@@ -442,17 +456,20 @@ class OffloadKV(SelectionStore):
     def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor, threads: int = 0) -> "Scanned":
         """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
         host pool for `slots`, as a Scanned of values only."""
-        n = chosen.shape[1]
-        on, rows = self._ready(slots, n)
-        b, h = torch.arange(n)[:, None, None], torch.arange(chosen.shape[2])[None, :, None]
+        on, _ = self._ready(slots, chosen.shape[1])
+        rows = on.nonzero()[:, 0].tolist()
+        heads = torch.arange(chosen.shape[2])[:, None]
         staged = []
         for j in range(len(self.selecting_layers)):
-            hv, idx = self.host_v[j][rows], chosen[j].clamp(max=self.capacity - 1)
-            if self.fused:  # ext/'s gather, on at most `threads` cores (it copies the values twice: as K and as V)
-                staged.append(cpu_select.gather(hv, hv, idx.int(), threads=threads)[1:])
-            else:
-                staged.append(hv[b, h, idx][None])
-        return Scanned(self.first, on, keep, staged)
+            out = self._staging(len(rows), 1, chosen.shape[3])
+            for i, b in enumerate(rows):
+                hv, idx = self.host_v[j][self.first + b], chosen[j, b].clamp(max=self.capacity - 1)
+                if self.fused:  # ext/'s gather, on at most `threads` cores (it copies the values twice: as K and V)
+                    out[i, 0] = cpu_select.gather(hv[None], hv[None], idx[None].int(), threads=threads)[1, 0]
+                else:
+                    out[i, 0] = hv[heads, idx]
+            staged.append(out)
+        return Scanned(self.first, rows, keep[rows], staged)
 
     def copy_idle(self, src: int, dst: int) -> None:
         """Slot src's idle region and kept count to slot dst (a selection placed after the slot moved)."""

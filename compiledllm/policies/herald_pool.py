@@ -123,11 +123,8 @@ class HostPool:
         t = time.perf_counter()
         scanned = job.result()
         h["stall_s"] += time.perf_counter() - t
-        n = scanned.on.shape[0]
-        waiting = [s for s in range(n) if h["pending"][s] is job]
-        only = torch.zeros(n, dtype=torch.bool)
-        only[waiting] = True
-        host.kv.place(scanned, only)
+        waiting = [s for s in scanned.slots if h["pending"][s] is job]
+        host.kv.place(scanned, waiting)
         for s in waiting:
             h["pending"][s] = None
 

@@ -1,5 +1,6 @@
 """kv/offload.py's block copies to the host pool: issued at once, written into the pool by its next reader (the scan on
-the host worker, a slot move, the retrieval forward's CPU attention), so the engine thread never waits for them."""
+the host worker, a slot move, the retrieval forward's CPU attention), so the engine thread never waits for them; a
+scan stages (and a placement copies to the device) the rows it scanned only."""
 from __future__ import annotations
 
 import torch
@@ -52,9 +53,9 @@ def test_a_move_and_a_scan_see_the_blocks_issued_before_them():
     kv.offload_block([1], [0])
     q = torch.randn(2, len(kv.selecting_layers), 2, 4)
     scanned = kv.scan([1], q, torch.tensor([0, 4]), torch.tensor([0, 4]), torch.tensor([0, 4]))
-    j = 0
-    want = block_of(kv, kv.v[kv.selecting_layers[j]], 1, 0)  # keep all 4 of [0, 4): every position, in order
-    assert torch.equal(scanned.staged[j][1, 1].sort(dim=1).values, want.sort(dim=1).values)
+    assert scanned.slots == [1] and all(part.shape[0] == 1 for part in scanned.staged)  # only the row scanned
+    want = block_of(kv, kv.v[kv.selecting_layers[0]], 1, 0)  # keep all 4 of [0, 4): every position, in order
+    assert torch.equal(scanned.staged[0][0, 1].sort(dim=1).values, want.sort(dim=1).values)
 
 
 def test_device_keys_copy_only_the_values():
