@@ -37,7 +37,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
-from compiledllm.policies.flash_verify import FlashVerify
+from compiledllm.policies.flash_verify import FlashVerify, marks
 from compiledllm.policies.peer_rules import select
 from compiledllm.policies.plan import Forward, Update, route_groups
 
@@ -162,9 +162,7 @@ class FlashDLLMPolicy(FlashVerify, Policy):
         (the KV source a forward of these queries reads)."""
         B, T = st.seq.shape
         pos = torch.arange(T, device=st.seq.device).expand(B, T)
-        is_query = torch.zeros(B, T + 1, dtype=torch.bool, device=st.seq.device).scatter_(
-            1, torch.where(q_live, q_pos, T), True)[:, :T]
-        cached = (pos < st.work_len[:, None]) & ~is_query & act[:, None]
+        cached = (pos < st.work_len[:, None]) & ~marks(q_pos, q_live, T) & act[:, None]
         order = torch.sort(torch.where(cached, pos, T + pos), dim=1).indices  # cached positions first, in order
         return cached.sum(1), pool_index(order, T)
 
@@ -177,29 +175,27 @@ class FlashDLLMPolicy(FlashVerify, Policy):
         q_pos = q_pos[:, :Q] if Q <= T else torch.cat([q_pos, q_pos.new_zeros(B, Q - T)], 1)
         return q_pos, torch.arange(Q, device=member.device)[None] < member.sum(1, keepdim=True)
 
+    def regions(self, st) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T] each: every position, whether it is in the row's current block, whether in its working sequence."""
+        B, T = st.seq.shape
+        pos = torch.arange(T, device=st.seq.device).expand(B, T)
+        bs = st.block_start[:, None]
+        return pos, (pos >= bs) & (pos < bs + self.block_size), pos < st.work_len[:, None]
+
     def tracked(self, st, masked: torch.Tensor) -> torch.Tensor:
         """[B, T] bool: the `track` decoded positions outside the block and the last step's tokens that the masked
         queries attended to most in the last forward."""
-        B, T = st.seq.shape
-        Bk, dev = self.block_size, st.seq.device
-        pos = torch.arange(T, device=dev).expand(B, T)
-        bs = st.block_start[:, None]
-        in_block = (pos >= bs) & (pos < bs + Bk)
-        working = pos < st.work_len[:, None]
+        _, in_block, working = self.regions(st)
         score = torch.where(working & ~masked & ~in_block & ~st.policy["new"], st.policy["mass"], float("-inf"))
-        top = torch.topk(score, min(self.config.track, T), dim=1)
-        return torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(
-            1, torch.where(top.values > float("-inf"), top.indices, T), True)[:, :T]
+        top = torch.topk(score, min(self.config.track, st.seq.shape[1]), dim=1)
+        return marks(top.indices, top.values > float("-inf"), st.seq.shape[1])
 
     def query_set(self, st, masked: torch.Tensor, act: torch.Tensor) -> tuple:
         """(positions [B, Q], live [B, Q], counted [B, Q]: the masked queries whose attention the tracker counts,
         logits_at [B, B_k]: the block's queries): the set in position order, padding (not live) last."""
-        B, T = st.seq.shape
-        Bk, dev = self.block_size, st.seq.device
-        pos = torch.arange(T, device=dev).expand(B, T)
+        T, Bk, dev = st.seq.shape[1], self.block_size, st.seq.device
+        pos, in_block, working = self.regions(st)
         bs = st.block_start[:, None]
-        in_block = (pos >= bs) & (pos < bs + Bk)
-        working = pos < st.work_len[:, None]
         past = masked & (pos >= bs + Bk)
         ahead = past & (past.cumsum(1) <= self.config.ahead)
         new = st.policy["new"] & working & ~in_block
@@ -235,8 +231,7 @@ class FlashDLLMPolicy(FlashVerify, Policy):
             mass.scatter_add_(1, order, stats[:, :T])
             live = fwd.kv_write >= 0
             mass.scatter_add_(1, torch.where(live, fwd.positions, T), torch.where(live, stats[:, T:], 0.0))
-        new = torch.zeros(B, T + 1, dtype=torch.bool, device=stats.device).scatter_(
-            1, torch.where(accept, idx, T), True)[:, :T]
+        new = marks(idx, accept, T)
         state = {"fresh": torch.where(act, torch.ones_like(nfe), st.policy["fresh"]), "nfe": nfe + act.long(),
                  "mass": torch.where(act[:, None], mass[:, :T], st.policy["mass"]),
                  "new": torch.where(act[:, None], new, st.policy["new"]), "stats": torch.zeros_like(stats)}

@@ -22,6 +22,12 @@ from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.policies.plan import Forward, Update, route_groups
 
 
+def marks(positions: torch.Tensor, valid: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] bool: True at positions [B, K] where valid [B, K]."""
+    out = torch.zeros(positions.shape[0], T + 1, dtype=torch.bool, device=positions.device)
+    return out.scatter_(1, torch.where(valid, positions, T), True)[:, :T]
+
+
 def view_groups(S: int, device) -> torch.Tensor:
     """[2S + 2] int32 visibility bitmasks: group 0 the tracked context, 1 + i draft i, 1 + S + i mask i, 2S + 1
     padding (itself only)."""
@@ -60,11 +66,8 @@ class FlashVerify:
     def verify_plan(self, st, act: torch.Tensor) -> Forward:
         B, T = st.seq.shape
         Bk, S, dev = self.block_size, self.config.search, st.seq.device
-        pos = torch.arange(T, device=dev).expand(B, T)
-        working = pos < st.work_len[:, None]
+        pos, in_block, working = self.regions(st)
         masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & working
-        bs = st.block_start[:, None]
-        in_block = (pos >= bs) & (pos < bs + Bk)
         search_pos = st.policy["search_pos"] - 1
         on = (search_pos >= 0) & act[:, None]
         member = ((in_block & ~masked) | (st.policy["new"] & working) | self.tracked(st, masked)) & act[:, None]
@@ -101,8 +104,7 @@ class FlashVerify:
         idx = self.block(st)
         left = ((st.seq.gather(1, idx) == self.mask_id) & (idx >= st.prompt_len[:, None])).sum(1)
         done = act & (left > 0) & (accept.sum(1) == left)
-        new = st.policy["new"] | torch.zeros(st.seq.shape[0], T + 1, dtype=torch.bool, device=st.seq.device) \
-            .scatter_(1, torch.where(accept, search_pos, T), True)[:, :T]
+        new = st.policy["new"] | marks(search_pos, accept, T)
         state = {"new": torch.where(act[:, None], new, st.policy["new"]),
                  "nfe": st.policy["nfe"] + (act & on.any(1)).long(),
                  "verified": st.policy["verified"] + accept.sum(1)}
