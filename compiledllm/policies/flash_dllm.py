@@ -132,17 +132,16 @@ class FlashDLLMPolicy(FlashVerify, Policy):
         return tuple(range(TRACK_FROM_LAYER, self.layers)) if self.layers > TRACK_FROM_LAYER else None
 
     def plan(self, phase, st):
-        B, T = st.seq.shape
-        dev = st.seq.device
         act = self.acting(phase, st)
-        idx = self.block(st)
-        pos = torch.arange(T, device=dev).expand(B, T)
-        masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & (pos < st.work_len[:, None])
-        need = masked.gather(1, idx) & act[:, None]
         if phase == "verify":
             return self.verify_plan(st, act)
+        T, dev = st.seq.shape[1], st.seq.device
+        idx = self.block(st)
+        pos, _, working = self.regions(st)
+        masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & working
+        need = masked.gather(1, idx) & act[:, None]
         if phase == "refresh":  # the whole working sequence, no KV source; writes every position
-            live = (pos < st.work_len[:, None]) & act[:, None]
+            live = working & act[:, None]
             counted = masked & (pos < st.block_start[:, None] + self.block_size + self.config.ahead) & act[:, None]
             spec = AttentionSpec(Bidirectional(st.work_len), stats=st.policy["stats"][:, :T], stats_queries=counted,
                                  stats_layers=self.stats_layers())

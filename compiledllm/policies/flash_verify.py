@@ -64,6 +64,8 @@ class FlashVerify:
         return pos, tok
 
     def verify_plan(self, st, act: torch.Tensor) -> Forward:
+        """The verify forward: [tracked context | draft view | mask view] over the cache elsewhere, no KV written;
+        logits at the mask view."""
         B, T = st.seq.shape
         Bk, S, dev = self.block_size, self.config.search, st.seq.device
         pos, in_block, working = self.regions(st)
@@ -91,7 +93,7 @@ class FlashVerify:
         search_pos, drafts = st.policy["search_pos"] - 1, st.policy["search_tok"]
         on = (search_pos >= 0) & act[:, None]
         probs = torch.softmax(torch.where(on[..., None], logits, 0.0).float(), dim=-1)
-        probs[..., self.mask_id] = 0.0  # (MASK is never a prediction)
+        probs[..., self.mask_id] = 0.0  # never a prediction; probabilities over the full vocabulary (base.confidence)
         conf, pred = probs.max(-1)
         p_draft = probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
         if self.config.verify_rule == "agree":
