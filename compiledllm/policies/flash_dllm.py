@@ -106,7 +106,7 @@ class FlashDLLMPolicy(FlashVerify, Policy):
     def init_state(self, batch, device):
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         state = {"fresh": zeros(), "nfe": zeros()}
-        if self.config.verify:  # the search set (positions + 1, 0: none) and its drafts; drafts accepted so far
+        if self.config.verify:  # the search set (block offsets + 1, 0: none) and its drafts; drafts accepted so far
             S = self.config.search
             state |= {"search_pos": torch.zeros(batch, S, dtype=torch.long, device=device),
                       "search_tok": torch.zeros(batch, S, dtype=torch.long, device=device), "verified": zeros()}
@@ -235,8 +235,9 @@ class FlashDLLMPolicy(FlashVerify, Policy):
                  "mass": torch.where(act[:, None], mass[:, :T], st.policy["mass"]),
                  "new": torch.where(act[:, None], new, st.policy["new"]), "stats": torch.zeros_like(stats)}
         if self.config.verify:  # what the verify forward checks: the drafts the rule left
-            search, drafts = self.search_set(p, masked, accept, v, idx)
-            state |= {"search_pos": torch.where(act[:, None], search, 0), "search_tok": drafts}
+            search = self.search_state(p, masked, accept, v)
+            state |= {"search_pos": torch.where(act[:, None], search["search_pos"], 0),
+                      "search_tok": search["search_tok"]}
         return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(), state)
 
     # --- host ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,22 @@ def marks(positions: torch.Tensor, valid: torch.Tensor, T: int) -> torch.Tensor:
     return out.scatter_(1, torch.where(valid, positions, T), True)[:, :T]
 
 
+def verified(logits: torch.Tensor, on: torch.Tensor, drafts: torch.Tensor, mask_id: int, rule: str, gamma: float
+             ) -> torch.Tensor:
+    """[B, S] bool: the drafts accepted, along the decoding order up to the first failure: `agree`, while the mask
+    view's argmax (logits [B, S, V]) is the draft and its probability > gamma; `prefix_product`, while the product
+    of the mask view's probabilities of the drafts so far stays >= gamma. on [B, S]: the searched positions."""
+    probs = torch.softmax(torch.where(on[..., None], logits, 0.0).float(), dim=-1)
+    probs[..., mask_id] = 0.0  # never a prediction; probabilities over the full vocabulary (base.confidence)
+    conf, pred = probs.max(-1)
+    if rule == "agree":
+        ok = on & (pred == drafts) & (conf > gamma)
+    else:
+        p_draft = probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
+        ok = on & (torch.cumprod(torch.where(on, p_draft, 1.0), dim=1) >= gamma)
+    return torch.cumprod(ok.long(), dim=1).bool()
+
+
 def view_groups(S: int, device) -> torch.Tensor:
     """[2S + 2] int32 visibility bitmasks: group 0 the tracked context, 1 + i draft i, 1 + S + i mask i, 2S + 1
     padding (itself only)."""
@@ -43,25 +59,29 @@ def view_groups(S: int, device) -> torch.Tensor:
     return torch.cat([tracked_see[None], draft_see, mask_see, pad]).int()
 
 
-class FlashVerify:
+class Search:
+    """The decode step's side of a verify pass: the search set it leaves."""
+
+    def search_state(self, p: torch.Tensor, masked: torch.Tensor, accept: torch.Tensor, v: torch.Tensor) -> dict:
+        """The S most confident masked block positions the rule left (block offsets + 1; 0: none; ties: the lower
+        offset) and their drafts: the state a verify pass reads."""
+        S = self.config.search
+        left = masked & ~accept
+        order = torch.sort(torch.where(left, p, -1.0), dim=1, descending=True, stable=True).indices[:, :S]
+        on = left.gather(1, order)
+        pos, tok = torch.where(on, order + 1, 0), torch.where(on, v.gather(1, order), self.mask_id)
+        if pos.shape[1] < S:  # a block smaller than the search: the rest stays empty
+            pad = pos.new_zeros(pos.shape[0], S - pos.shape[1])
+            pos, tok = torch.cat([pos, pad], 1), torch.cat([tok, pad + self.mask_id], 1)
+        return {"search_pos": pos, "search_tok": tok}
+
+
+class FlashVerify(Search):
     """flash_dllm's verify phase (uses its config, block, tracker, compaction and cache reads)."""
 
     def verify_slots(self, capacity: int) -> int:
         """The verify forward's tracked-context query slots (block, last steps' tokens, tracked)."""
         return 2 * self.block_size + min(self.config.track, capacity)
-
-    def search_set(self, p: torch.Tensor, masked: torch.Tensor, accept: torch.Tensor, v: torch.Tensor, idx):
-        """(positions + 1 [B, S], tokens [B, S]; 0 / MASK past a row's set): the block's masked positions the rule left,
-        the S most confident first (ties: the lower position), with their draft tokens."""
-        left = masked & ~accept
-        S = self.config.search
-        order = torch.sort(torch.where(left, p, -1.0), dim=1, descending=True, stable=True).indices[:, :S]
-        on = left.gather(1, order)
-        pos, tok = torch.where(on, idx.gather(1, order) + 1, 0), torch.where(on, v.gather(1, order), self.mask_id)
-        if pos.shape[1] < S:  # a block smaller than the search: the rest stays empty
-            pad = pos.new_zeros(pos.shape[0], S - pos.shape[1])
-            pos, tok = torch.cat([pos, pad], 1), torch.cat([tok, pad + self.mask_id], 1)
-        return pos, tok
 
     def verify_plan(self, st, act: torch.Tensor) -> Forward:
         """The verify forward: [tracked context | draft view | mask view] over the cache elsewhere, no KV written;
@@ -70,11 +90,11 @@ class FlashVerify:
         Bk, S, dev = self.block_size, self.config.search, st.seq.device
         pos, in_block, working = self.regions(st)
         masked = (st.seq == self.mask_id) & (pos >= st.prompt_len[:, None]) & working
-        search_pos = st.policy["search_pos"] - 1
-        on = (search_pos >= 0) & act[:, None]
+        j = st.policy["search_pos"] - 1
+        on = (j >= 0) & act[:, None]
+        spos = self.block(st).gather(1, j.clamp(min=0))
         member = ((in_block & ~masked) | (st.policy["new"] & working) | self.tracked(st, masked)) & act[:, None]
         t_pos, t_live = self.compact(member, self.verify_slots(T))
-        spos = search_pos.clamp(min=0)
         q_pos = torch.cat([t_pos, spos, spos], 1)
         q_live = torch.cat([t_live, on, on], 1)
         tokens = torch.cat([st.seq.gather(1, t_pos), st.policy["search_tok"],
@@ -90,17 +110,10 @@ class FlashVerify:
 
     def verify_update(self, st, act: torch.Tensor, logits: torch.Tensor) -> Update:
         """Accept the drafts along the decoding order up to the first failure of the rule (see the module)."""
-        search_pos, drafts = st.policy["search_pos"] - 1, st.policy["search_tok"]
-        on = (search_pos >= 0) & act[:, None]
-        probs = torch.softmax(torch.where(on[..., None], logits, 0.0).float(), dim=-1)
-        probs[..., self.mask_id] = 0.0  # never a prediction; probabilities over the full vocabulary (base.confidence)
-        conf, pred = probs.max(-1)
-        p_draft = probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
-        if self.config.verify_rule == "agree":
-            ok = on & (pred == drafts) & (conf > self.config.gamma)
-        else:
-            ok = on & (torch.cumprod(torch.where(on, p_draft, 1.0), dim=1) >= self.config.gamma)
-        accept = torch.cumprod(ok.long(), dim=1).bool()
+        j, drafts = st.policy["search_pos"] - 1, st.policy["search_tok"]
+        on = (j >= 0) & act[:, None]
+        search_pos = torch.where(on, self.block(st).gather(1, j.clamp(min=0)), -1)
+        accept = verified(logits, on, drafts, self.mask_id, self.config.verify_rule, self.config.gamma)
         T = st.seq.shape[1]
         write = torch.where(accept, search_pos, -1)
         idx = self.block(st)
@@ -111,3 +124,40 @@ class FlashVerify:
                  "nfe": st.policy["nfe"] + (act & on.any(1)).long(),
                  "verified": st.policy["verified"] + accept.sum(1)}
         return Update(write, drafts, done.long(), state)
+
+
+class BlockVerify(Search):
+    """Flash-Verify on a block-causal model (`threshold verify: true`, past the paper): after a decode step the
+    block's positions outside the search set (its decided tokens and its other masks) are the context, the search
+    set's draft and mask views as above, all over the cached prefix; no KV is written and no block retires in it
+    (a block whose last masks it fills retires in the next forward, which sees it final)."""
+
+    def block_verify_plan(self, st) -> Forward:
+        idx, tokens, gen = self.block_window(st)
+        B, Bk = idx.shape
+        S, dev = self.config.search, idx.device
+        j = st.policy["search_pos"] - 1
+        on = (j >= 0) & st.active[:, None]
+        at = idx.gather(1, j.clamp(min=0))
+        searched = marks(j.clamp(min=0), on, Bk)
+        i = torch.arange(S, device=dev)[None]
+        group = torch.cat([torch.where(searched, 2 * S + 1, 0), torch.where(on, 1 + i, 2 * S + 1),
+                           torch.where(on, 1 + S + i, 2 * S + 1)], 1)
+        group = torch.where(st.active[:, None], group, 2 * S + 1).int()
+        positions = torch.cat([idx, at, at], 1)
+        live = group < 2 * S + 1
+        spec = AttentionSpec(QueryGroups(group, view_groups(S, dev)), prefix_len=st.block_start)
+        return Forward(torch.cat([tokens, st.policy["search_tok"], torch.full_like(at, self.mask_id)], 1), positions,
+                       spec, kv_write=None, logits_at=Bk + S + i.expand(B, S), logits_rows=on,
+                       route_groups=torch.cat([route_groups(idx, Bk, live[:, :Bk]),
+                                               route_groups(at, Bk, on, copy=1), route_groups(at, Bk, on, copy=2)], 1))
+
+    def block_verify_update(self, st, logits: torch.Tensor) -> Update:
+        idx, _, _ = self.block_window(st)
+        j = st.policy["search_pos"] - 1
+        on = (j >= 0) & st.active[:, None]
+        drafts = st.policy["search_tok"]
+        accept = verified(logits, on, drafts, self.mask_id, self.config.verify_rule, self.config.gamma)
+        write = torch.where(accept, idx.gather(1, j.clamp(min=0)), -1)
+        return Update(write, drafts, torch.zeros_like(st.block_start),
+                      {"verified": st.policy["verified"] + accept.sum(1)})

@@ -17,6 +17,10 @@ block. The step runs "commit" (2 blocks of queries for every row of the batch) w
 "decode": at small, weight-bound batches the wider forward costs about what one block does; at large,
 compute-bound ones it may not pay (measure with `compiledllm bench` before choosing it there).
 Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
+
+`verify: true` (block-causal models, separate commit; past Flash-dLLM, which verifies a bidirectional model): each
+decode step is followed by Flash-Verify's forward over the drafts the rule left (policies/flash_verify.py,
+BlockVerify), phase "verify"; at gamma 1 it accepts nothing and the tokens are threshold's.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability
+from compiledllm.policies.flash_verify import BlockVerify
 from compiledllm.policies.peer_rules import SDAR_RULES, Rule, check_rule, sdar_confidence, select
 from compiledllm.policies.plan import Forward, route_groups
 
@@ -38,6 +43,11 @@ class ThresholdConfig(PolicyConfig):
     steps: int | None = None
     rule: Rule = "engine"  # or sdar_static, sdar_dynamic, fast_dllm: a peer decoder's tokens (peer_rules.py)
     commit: Literal["separate", "fused"] = "separate"  # how a finished block's KV is written (module docstring)
+    # Flash-Verify after each decode step (module docstring): gamma, verify_rule and search as in flash_dllm
+    verify: bool = False
+    gamma: float = 0.8
+    verify_rule: Literal["agree", "prefix_product"] = "agree"
+    search: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,9 +55,16 @@ class ThresholdConfig(PolicyConfig):
         if self.steps is not None and not 1 <= self.steps <= (self.block_size or self.steps):
             raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
         check_rule(self.rule)
+        check_probability("gamma", self.gamma)
+        if self.verify_rule not in ("agree", "prefix_product"):
+            raise ValueError(f"verify_rule: must be agree or prefix_product, got {self.verify_rule!r}")
+        if not 1 <= self.search <= 14:
+            raise ValueError(f"search: must be within [1, 14] (two attention groups per position), got {self.search}")
+        if self.verify and self.commit == "fused":
+            raise ValueError("verify: checks drafts between a block's steps; it needs commit: separate")
 
 
-class ThresholdPolicy(BlockPolicy):
+class ThresholdPolicy(BlockVerify, BlockPolicy):
     name = "threshold"
     config: ThresholdConfig
 
@@ -60,6 +77,13 @@ class ThresholdPolicy(BlockPolicy):
         self.fused = config.commit == "fused" and not bidirectional
         if self.fused:
             self.phases = ("decode", "commit")
+        if config.verify:
+            if self.name != "threshold":
+                raise UserError(f"policy.verify: a setting of threshold (and flash_dllm), not of {self.name}")
+            if bidirectional:
+                raise UserError("policy.verify: threshold verifies block-causal models (LLaDA2, SDAR); for a "
+                                "bidirectional model use flash_dllm with verify: true")
+            self.phases = ("decode", "verify")
 
     def first_block(self, prompt_len: int) -> int:
         # Fast-dLLM's blocks start where the prompt ends (nothing is cached, so no block needs to align)
@@ -81,6 +105,11 @@ class ThresholdPolicy(BlockPolicy):
 
     def init_state(self, batch: int, device) -> State:
         state = {"block_step": torch.zeros(batch, dtype=torch.long, device=device)}
+        if self.config.verify:  # the search set (block offsets + 1), its drafts, and the drafts accepted so far
+            S = self.config.search
+            state |= {"search_pos": torch.zeros(batch, S, dtype=torch.long, device=device),
+                      "search_tok": torch.zeros(batch, S, dtype=torch.long, device=device),
+                      "verified": torch.zeros(batch, dtype=torch.long, device=device)}
         if self.fused:  # the row's previous block is retired and its KV not yet written
             state["pending"] = torch.zeros(batch, dtype=torch.bool, device=device)
         return state
@@ -96,6 +125,8 @@ class ThresholdPolicy(BlockPolicy):
         return ("commit",) if set(step.begun) & set(step.rows) else ("decode",)
 
     def plan(self, phase: str, st) -> Forward:
+        if phase == "verify":
+            return self.block_verify_plan(st)
         if phase != "commit":
             return super().plan(phase, st)
         idx, tokens, gen = self.block_window(st)
@@ -114,6 +145,14 @@ class ThresholdPolicy(BlockPolicy):
                        kv_write=torch.where(live, positions, -1), logits_at=Bk + torch.arange(Bk, device=idx.device)
                        .expand(B, Bk), logits_rows=self.needed(tokens, gen, st.policy),
                        route_groups=route_groups(positions, Bk, live))
+
+    def update(self, phase, st, fwd, logits):
+        if phase == "verify":
+            return self.block_verify_update(st, logits)
+        return super().update(phase, st, fwd, logits)
+
+    def report(self, st, slot):
+        return {"verified": int(st.policy["verified"][slot])} if self.config.verify else {}
 
     def row_params(self) -> dict[str, float]:
         return {"threshold": self.config.threshold}  # a request may ask for its own tau (the same shapes)
@@ -140,4 +179,6 @@ class ThresholdPolicy(BlockPolicy):
             done = done | (accept.sum(1) == n_masked)
         block_step = torch.where(done, 0, state["block_step"] + 1)
         new = {"block_step": block_step} | ({"pending": done} if self.fused else {})
+        if self.config.verify:
+            new |= self.search_state(p, masked, accept, v)
         return torch.where(accept, v, tokens), done, new
