@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import selection_cases
+import torch
+from checkpoints import write_checkpoint
 from selection_cases import BLOCK, ckpt, model, prompts  # noqa: F401  (fixtures)
 
+import compiledllm
 from compiledllm.engine import Engine, EngineConfig
 from compiledllm.errors import UserError
 from compiledllm.policies import policy_config
@@ -63,3 +66,17 @@ def test_only_threshold_verifies(model):
     with pytest.raises(UserError, match="policy.verify: a setting of threshold"):
         Engine(model, EngineConfig({"name": "mage", "block_size": BLOCK, "budget": 0.5, "verify": True},
                                    max_new_tokens=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+@pytest.mark.parametrize("name", ["llada2", "sdar"])
+def test_captured_equals_eager_on_the_gpu(tmp_path, name):
+    """The decode and verify phases captured once per bucket (bf16, head_dim 64: the packed-attention kernels)."""
+    m = compiledllm.load_model(write_checkpoint(tmp_path / "m", name, 32, head_dim=64, num_hidden_layers=4),
+                               device="cuda", dtype=torch.bfloat16)
+    ps = prompts(m.config.vocab_size, [5, 19, 30, 12, 40])
+    kw = dict(max_new_tokens=16, batch_size=4, max_seq_len=64, prefill_chunk=16, ignore_eos=True)
+    policy = PLAIN | {"verify": True, "gamma": 0.5}
+    eager = [r.output_ids for r in Engine(m, EngineConfig(policy, cuda_graphs=False, **kw)).generate(ps)]
+    assert [r.output_ids for r in Engine(m, EngineConfig(policy, cuda_graphs=True, **kw)).generate(ps)] == eager

@@ -18,7 +18,7 @@
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
 # herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
 # context; HERALD_BATCHES=8,32,max probes each policy's largest batch; HERALD_BATCHES_<policy>: one policy's own, as host pools hold more rows), heraldq (selection recall and exact match on
-# the yardstick's 4K / 2K retrieval)
+# the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -251,6 +251,11 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
   done
+fi
+if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
+  timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py \
+    tests/policies/test_block_verify.py tests/policies/test_prefix_cache.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/flash_tests.log" | tail -6
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
