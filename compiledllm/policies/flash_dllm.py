@@ -29,7 +29,6 @@ are `threshold` (rule fast_dllm)'s without a cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -37,7 +36,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
-from compiledllm.policies.flash_verify import FlashVerify, marks
+from compiledllm.policies.flash_verify import FlashVerify, VerifySettings, marks
 from compiledllm.policies.peer_rules import select
 from compiledllm.policies.plan import Forward, Update, route_groups
 
@@ -45,28 +44,18 @@ TRACK_FROM_LAYER = 2  # the tracker counts the layers past the first two
 
 
 @dataclass(frozen=True)
-class FlashDLLMConfig(PolicyConfig):
+class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (policies/flash_verify.py)
     threshold: float = 0.9
     track: int = 64   # decoded positions of largest attention mass recomputed each step
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
-    # Flash-Verify (policies/flash_verify.py): a second forward a step checks the `search` most confident drafts the
-    # rule left, accepted along the decoding order by `verify_rule` at `gamma`
-    verify: bool = False
-    gamma: float = 0.8
-    verify_rule: Literal["agree", "prefix_product"] = "agree"
-    search: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
-        check_probability("gamma", self.gamma)
         for key in ("track", "ahead"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
-        if self.verify_rule not in ("agree", "prefix_product"):
-            raise ValueError(f"verify_rule: must be agree or prefix_product, got {self.verify_rule!r}")
-        if not 1 <= self.search <= 14:
-            raise ValueError(f"search: must be within [1, 14] (two attention groups per position), got {self.search}")
+        self.check_verify()
 
 
 class FlashDLLMPolicy(FlashVerify, Policy):

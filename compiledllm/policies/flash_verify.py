@@ -18,8 +18,30 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+from typing import Literal
+
 from compiledllm.attention.spec import AttentionSpec, QueryGroups
+from compiledllm.policies.base import check_probability
 from compiledllm.policies.plan import Forward, Update, route_groups
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """A policy config's Flash-Verify keys (flash_dllm, threshold): a second forward a step checks the `search` most
+    confident drafts the rule left, accepted along the decoding order by `verify_rule` at `gamma`."""
+
+    verify: bool = False
+    gamma: float = 0.8
+    verify_rule: Literal["agree", "prefix_product"] = "agree"
+    search: int = 8
+
+    def check_verify(self) -> None:
+        check_probability("gamma", self.gamma)
+        if self.verify_rule not in ("agree", "prefix_product"):
+            raise ValueError(f"verify_rule: must be agree or prefix_product, got {self.verify_rule!r}")
+        if not 1 <= self.search <= 14:
+            raise ValueError(f"search: must be within [1, 14] (two attention groups per position), got {self.search}")
 
 
 def marks(positions: torch.Tensor, valid: torch.Tensor, T: int) -> torch.Tensor:

@@ -32,22 +32,17 @@ import torch
 from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability
-from compiledllm.policies.flash_verify import BlockVerify
+from compiledllm.policies.flash_verify import BlockVerify, VerifySettings
 from compiledllm.policies.peer_rules import SDAR_RULES, Rule, check_rule, sdar_confidence, select
 from compiledllm.policies.plan import Forward, route_groups
 
 
 @dataclass(frozen=True)
-class ThresholdConfig(PolicyConfig):
+class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (module docstring)
     threshold: float = 0.95
     steps: int | None = None
     rule: Rule = "engine"  # or sdar_static, sdar_dynamic, fast_dllm: a peer decoder's tokens (peer_rules.py)
     commit: Literal["separate", "fused"] = "separate"  # how a finished block's KV is written (module docstring)
-    # Flash-Verify after each decode step (module docstring): gamma, verify_rule and search as in flash_dllm
-    verify: bool = False
-    gamma: float = 0.8
-    verify_rule: Literal["agree", "prefix_product"] = "agree"
-    search: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,11 +50,7 @@ class ThresholdConfig(PolicyConfig):
         if self.steps is not None and not 1 <= self.steps <= (self.block_size or self.steps):
             raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
         check_rule(self.rule)
-        check_probability("gamma", self.gamma)
-        if self.verify_rule not in ("agree", "prefix_product"):
-            raise ValueError(f"verify_rule: must be agree or prefix_product, got {self.verify_rule!r}")
-        if not 1 <= self.search <= 14:
-            raise ValueError(f"search: must be within [1, 14] (two attention groups per position), got {self.search}")
+        self.check_verify()
         if self.verify and self.commit == "fused":
             raise ValueError("verify: checks drafts between a block's steps; it needs commit: separate")
 
