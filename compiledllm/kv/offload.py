@@ -1,14 +1,15 @@
 """KV with the selecting layers' full cache in host memory (HERALD's system form, docs/design.md §5): the device holds,
 per selecting layer, only what the steps read (two selection regions per slot) and what they write (one block buffer
-per slot); the full K/V of every position lives in a host pool ([slots, KVH, capacity, D] per layer, pinned on CUDA),
-where the once-per-block selection scans it on the CPU (ext/, kv/cpu_select.py) and gathers the chosen rows for one
-host-to-device copy per layer.
+per slot); the full K/V of every position lives in a host pool ([L, slots, KVH, capacity, D], pinned on CUDA), where
+the once-per-block selection scans it on the CPU (ext/, kv/cpu_select.py) and gathers the chosen rows of the rows it
+scanned for one host-to-device copy per layer.
 
 A row's prompt still needs its whole prefix on the device while it prefills and for its first selection: the store
 lends it one of `scratch` device full caches from admission (`admit`) until `release`. The first layers
 (`dense_layers`) keep a device full cache per slot, as in kv/sparse.py.
 
-Per selecting layer one device tensor [N, KVH, D] holds, in rows:
+Per selecting layer one device tensor [N, KVH, D] (the selecting layers stacked in one [L, N, KVH, D] per K and V,
+so the host hooks move every layer in one op) holds, in rows:
 
 * scratch caches: cache c, position p at c * (capacity + 1) + p (the last row: the spare a -1 write lands on);
 * two selection regions of P rows per slot (region r, slot s, j-th key at F + (r * slots + s) * P + j, F the scratch
@@ -18,7 +19,8 @@ Per selecting layer one device tensor [N, KVH, D] holds, in rows:
 
 A step's view reads each row's `index` / `length` (its scratch cache, or its region) and writes the forward's fresh
 K/V to the row's block buffer; a prefill view reads and writes the rows' scratch caches. The host copies between the
-tiers (`offload_prefix`, `offload_block`) and the CPU retrieval (`retrieve`) run from the policy's host hooks.
+tiers (`offload_prefix`, `offload_block`, `fetch_prefix`) and the CPU retrieval (`scan`, `values_scan`, `place`) run
+from the policy's host hooks; the engine thread's seconds in each are in `shared.seconds`.
 """
 from __future__ import annotations
 
