@@ -258,8 +258,7 @@ class HeraldPolicy(HostPool, MagePolicy):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
         h = step.state
-        if self.fetch:  # a row whose prefix waits for a scratch cache takes no part
-            step = replace(step, rows=tuple(s for s in step.rows if s not in h["waiting"]))
+        step = replace(step, rows=running(h, step.rows))
         due = [s for s in step.rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
         wait = self.config.draft_wait
         drafting = tuple(due) if any(h["bstep"][s] >= 1 + wait for s in due) else ()
@@ -270,7 +269,7 @@ class HeraldPolicy(HostPool, MagePolicy):
 
     def before_step(self, host, step):
         h = self._rows(host)
-        h["rows"] = tuple(s for s in step.rows if s not in h["waiting"])
+        h["rows"] = running(h, step.rows)
 
     def after_step(self, host, report):
         h = self._rows(host)
@@ -389,6 +388,11 @@ class HeraldPolicy(HostPool, MagePolicy):
         return Forward(mask, positions, spec, kv_write=None, logits_at=torch.zeros(n, 1, dtype=torch.long, device=dev),
                        logits_rows=torch.zeros(n, 1, dtype=torch.bool, device=dev),
                        route_groups=route_groups(positions, Bk, live, copy=1))
+
+
+def running(h: dict, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The rows that take part in a step: all but those whose prefix waits for a scratch cache (retrieval: fetch)."""
+    return tuple(s for s in rows if s not in h["waiting"])
 
 
 def int8_copy(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
