@@ -224,7 +224,7 @@ class EngineSession:
     def _warm_prefill(self) -> float:
         """On CUDA, prefill's kernels built before the first request (Prefiller.warm_up: on a cold Triton cache the
         first prefill otherwise paid seconds, measured 3.7 s of a 4K-token prefill on an H100); its seconds."""
-        if self.prefiller is None or not warms_prefill(self.model.device):
+        if self.prefiller is None or not self.policy.prefills or not warms_prefill(self.model.device):
             return 0.0
         t = time.perf_counter()
         self.prefiller.warm_up(self.st, self.kv)

@@ -154,9 +154,15 @@ class Policy(ABC):
         Default: every layer of every slot in one device cache."""
         return DeviceKV.for_model(model, slots, capacity) if self.caches_kv else None
 
+    @property
+    def prefills(self) -> bool:
+        """Whether the engine prefills requests into the KV (default: whenever KV is cached; False for a policy whose
+        first forward writes every position itself)."""
+        return self.caches_kv
+
     def prefill_end(self, prompt_len: int) -> int:
         """Positions [0, end) the engine prefills into the KV before a request's first step (0: none)."""
-        return self.first_block(prompt_len) if self.caches_kv else 0
+        return self.first_block(prompt_len) if self.prefills else 0
 
     kv_hook = False  # True: after_forward runs inside every phase (captured with it), with the step's KV store
 

@@ -75,8 +75,7 @@ class FastDLLMCachePolicy(Policy):
             return super().kv_layout(model, slots, capacity)
         return PooledLayout.for_model(model, slots, capacity)
 
-    def prefill_end(self, prompt_len: int) -> int:
-        return 0  # the refresh forward writes every position: nothing to prefill
+    prefills = False  # the refresh forward writes every position: nothing to prefill
 
     def first_block(self, prompt_len: int) -> int:
         return prompt_len  # Fast-dLLM's blocks start where the prompt ends

@@ -81,8 +81,7 @@ class FlashDLLMPolicy(FlashVerify, Policy):
         self.layers = model.config.num_layers
         return PooledLayout.for_model(model, slots, capacity)
 
-    def prefill_end(self, prompt_len: int) -> int:
-        return 0  # the refresh forward writes every position
+    prefills = False  # the refresh forward writes every position
 
     def first_block(self, prompt_len: int) -> int:
         return prompt_len

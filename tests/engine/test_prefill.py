@@ -153,6 +153,27 @@ def test_prefill_warm_up_at_start_up_changes_no_token(tmp_path, monkeypatch, pol
     assert calls and warmed.startup_s > 0 == plain.startup_s
 
 
+@pytest.mark.parametrize("policy", [
+    {"name": "fast_dllm_cache", "block_size": 8, "threshold": 0.5, "dual": True},
+    {"name": "flash_dllm", "block_size": 8, "threshold": 0.5},
+], ids=["dual-cache", "flash-dllm"])
+def test_no_prefill_warm_up_for_a_policy_that_never_prefills(tmp_path, monkeypatch, policy):
+    """A policy whose first forward writes every position (prefills False: its KV is a pooled layout the prefill
+    forward cannot address) runs no warm-up forward, so its session starts (on CUDA the forced warm-up raised a shape
+    error at start-up), and its tokens are those of a session without the warm-up."""
+    import compiledllm.engine.session as session
+
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada", 6))
+    ps = prompts_of([5, 40, 33], model.config.vocab_size)
+    cfg = EngineConfig(policy, max_new_tokens=16, batch_size=2, max_seq_len=128, ignore_eos=True)
+    want = [r.output_ids for r in Engine(model, cfg).generate(ps)]
+    calls = []
+    monkeypatch.setattr(session, "warms_prefill", lambda device: True)
+    monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv: calls.append(1))
+    assert [r.output_ids for r in Engine(model, cfg).generate(ps)] == want
+    assert calls == []
+
+
 def test_prefill_warm_up_writes_only_the_spare_rows(sdar):
     """Prefiller.warm_up's forwards write every K/V to the slots' spare row (capacity) and change no slot state."""
     session = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=4, max_seq_len=600, prefill_chunk=512,
