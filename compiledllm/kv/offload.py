@@ -92,6 +92,15 @@ class _Shared:
         self.writes: list[Callable[[], None]] = []
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}  # the engine thread's time in the store's host-side methods (`_timed`)
+        # the host worker's time in a scan's parts: waiting for the device (its inputs, the pool's pending writes and
+        # prefix copies: `ready`), ext/'s selection (`select`), the gather into staging (`gather`)
+        self.worker_seconds: dict[str, float] = {}
+
+    def count(self, part: str, t0: float) -> float:
+        """Adds the seconds since t0 to worker_seconds[part]; returns now."""
+        now = time.perf_counter()
+        self.worker_seconds[part] = self.worker_seconds.get(part, 0.0) + now - t0
+        return now
 
     def flush(self) -> None:
         """Write every issued block copy into the host pool (waiting for its transfer)."""
@@ -357,7 +366,9 @@ class OffloadKV(SelectionStore):
         ([2, n, KVH, max keep, D] per layer). bf16 pools go through the fused kernel (kv/cpu_select.py), others
         through the same math in torch. prefix, end, keep: [n] CPU tensors."""
         n = q.shape[0]
+        t = time.perf_counter()
         on, rows = self._ready(slots, n)
+        t = self.shared.count("ready", t)
         prefix, end, keep = prefix * on, end.clamp(max=self.capacity) * on, keep * on
         H, D = q.shape[2], q.shape[3]
         chosen = []
@@ -368,7 +379,10 @@ class OffloadKV(SelectionStore):
                                                 want_output=False, want_lse=False, threads=threads).topk_idx)
             else:
                 chosen.append(host_attention(q[:, j][:, :, None], hk, None, end, keep, prefix)[2])
-        return self.gathered(on, keep, chosen, threads)
+        t = self.shared.count("select", t)
+        out = self.gathered(on, keep, chosen, threads)
+        self.shared.count("gather", t)
+        return out
 
     def _staging(self, m: int, kinds: int, k: int) -> torch.Tensor:
         """[m, kinds, KVH, k, D] host staging of a selection (pinned where the pool is)."""
@@ -458,7 +472,9 @@ class OffloadKV(SelectionStore):
     def values_scan(self, slots: list[int], chosen: torch.Tensor, keep: torch.Tensor, threads: int = 0) -> "Scanned":
         """Host work: the values of the positions chosen [L, n, KVH, P] (CPU; the capacity pads) gathered from the
         host pool for `slots`, as a Scanned of values only."""
+        t = time.perf_counter()
         on, _ = self._ready(slots, chosen.shape[1])
+        t = self.shared.count("ready", t)
         rows = on.nonzero()[:, 0].tolist()
         heads = torch.arange(chosen.shape[2])[:, None]
         staged = []
@@ -471,6 +487,7 @@ class OffloadKV(SelectionStore):
                 else:
                     out[i, 0] = hv[heads, idx]
             staged.append(out)
+        self.shared.count("gather", t)
         return Scanned(self.first, rows, keep[rows], staged)
 
     def copy_idle(self, src: int, dst: int) -> None:

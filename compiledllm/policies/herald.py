@@ -80,6 +80,8 @@ class HeraldConfig(MageConfig):
     # a row's draft step may come up to this many steps after step 1, so that rows out of step draft in one forward
     # (the draft, its K/V and the selection it prepares are the same at any step of the block; the paper: 0)
     draft_wait: int = 0
+    # pool: host: cores for the host worker's scans and gathers (0: all but one)
+    host_threads: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +107,8 @@ class HeraldConfig(MageConfig):
             raise ValueError("pool: host scans the host pool's keys as they are (scan_keys: exact)")
         if self.scratch < 1:
             raise ValueError(f"scratch: must be >= 1, got {self.scratch}")
+        if self.host_threads < 0:
+            raise ValueError(f"host_threads: must be >= 0 (0: all cores but one), got {self.host_threads}")
         if self.draft_wait < 0:
             raise ValueError(f"draft_wait: must be >= 0, got {self.draft_wait}")
         if self.draft_wait and self.lookahead != "draft":

@@ -13,6 +13,12 @@ import torch
 class HostPool:
     """HeraldPolicy's host-pool hooks (they use its config, host state, scan and retrieval forward)."""
 
+    @property
+    def host_threads(self) -> int:
+        """Cores for the host worker's scans (`host_threads`; 0: all but one, which the engine's thread keeps for
+        launching the steps)."""
+        return self.config.host_threads or max(1, (os.cpu_count() or 2) - 1)
+
     def host_boundary(self, host, rows: list[int], boundary: list[int]) -> None:
         """The host pool's part of a block boundary: the completed block's exact K/V to the host pool; an admitted
         row's prefix too (on the side stream); rows without a prepared selection get one now (the retrieval with the
@@ -80,8 +86,10 @@ class HostPool:
         q, at = to_host(host.st.policy["rep_q"][:n]), to_host(prefix[:n])  # issued now, waited for by the worker
 
         def scan():
-            p = at()
-            return view.scan(rows, q(), p, p + self.block_size, self.next_keep(p), _worker_threads())
+            t = time.perf_counter()
+            p, qs = at(), q()
+            host.kv.shared.count("device", t)
+            return view.scan(rows, qs, p, p + self.block_size, self.next_keep(p), self.host_threads)
 
         job = self._submit(host, rows, scan)
         if wait:
@@ -93,7 +101,13 @@ class HostPool:
         n = max(rows) + 1
         view = host.kv.rows(0, n)
         chosen, kept = to_host(host.kv.next_pos[:, :n]), to_host(host.kv.kept[:n])
-        job = self._submit(host, rows, lambda: view.values_scan(rows, chosen(), kept(), _worker_threads()))
+        def gather():
+            t = time.perf_counter()
+            c, k = chosen(), kept()
+            host.kv.shared.count("device", t)
+            return view.values_scan(rows, c, k, self.host_threads)
+
+        job = self._submit(host, rows, gather)
         if wait:
             self.host_place(host, job)
 
@@ -132,16 +146,17 @@ class HostPool:
         """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on
         the worker) and the seconds rows waited for them at their boundaries (HERALD's pipeline stall); the engine
         thread's seconds in the boundary hooks (placing, copying blocks out, swapping pools; the stall included),
-        after draft steps, and in each of the store's host-side methods (`store_s`)."""
+        after draft steps, and in each of the store's host-side methods (`store_s`); the worker's seconds by part
+        (`scan_split_s`: waiting for the device, ext/'s selection, the gather)."""
         h = host.state
         if "scans" not in h:
             return {}
         drafts = {"draft_forwards": h["draft_forwards"]} if self.lookahead else {}
         if not self.host_pool:
             return drafts
-        return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "boundary_stall_s": h["stall_s"],
-                         "boundary_hooks_s": h["boundary_s"], "draft_hooks_s": h["draft_s"],
-                         "store_s": dict(host.kv.shared.seconds)}
+        return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "scan_split_s": dict(host.kv.shared.worker_seconds),
+                         "boundary_stall_s": h["stall_s"], "boundary_hooks_s": h["boundary_s"],
+                         "draft_hooks_s": h["draft_s"], "store_s": dict(host.kv.shared.seconds)}
 
     def host_forward(self, host, view, on: torch.Tensor, target: torch.Tensor) -> None:
         """The retrieval forward with the host pool (HERALD §IV-B, faithfully): layer by layer, the representative
@@ -173,9 +188,6 @@ def to_host(t: torch.Tensor):
     return get
 
 
-def _worker_threads() -> int:
-    """Cores for the host worker's scans: all but one, which the engine's thread keeps for launching the steps."""
-    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def row_mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -106,10 +106,11 @@ def test_host_pool_selects_what_the_device_scan_selects(model, form):
     assert host != [r.output_ids for r in run(model, DENSE | FIXED | {"name": "mage", "budget": 0.3}, 3, ps)]
 
 
-@pytest.mark.parametrize("form", [HOST, {"pool": "host"}, DEVICE_KEYS], ids=["scan", "forward", "device-keys"])
+@pytest.mark.parametrize("form", [HOST, HOST | {"host_threads": 1}, {"pool": "host"}, DEVICE_KEYS],
+                         ids=["scan", "scan-one-thread", "forward", "device-keys"])
 def test_host_pool_through_the_fused_kernel_in_bf16(tmp_path, form):
     """bf16 pools go through ext/ (the scan with a k and a rank length per request, the forward's fused attention +
-    top-k, the values' gather): the whole budget == dense threshold."""
+    top-k, the values' gather), on any number of host threads: the whole budget == dense threshold."""
     from compiledllm.kv import cpu_select
 
     if not cpu_select.extension_available():
@@ -157,6 +158,7 @@ def test_int8_copy_rounds_each_channel_to_its_own_step():
     ({"pool": "host", "retrieval": "scan", "scratch": 0}, "scratch: must be >= 1"),
     ({"pool": "host", "keys": "device"}, "keys: device keeps the keys of a host pool on the device"),
     ({"draft_wait": -1}, "draft_wait: must be >= 0"),
+    ({"pool": "host", "host_threads": -1}, "host_threads: must be >= 0"),
     ({"pool": "host", "retrieval": "fetch"}, "retrieval: fetch copies each block's prefix"),
     ({"lookahead": "none", "draft_wait": 2}, "draft_wait: delays the draft step"),
 ])
@@ -264,3 +266,5 @@ def test_host_pool_reports_where_the_engine_threads_host_time_goes(model):
     assert stats["draft_forwards"] > 0 and stats["scans"] > 0 and stats["boundary_hooks_s"] > 0
     assert {"offload_prefix", "offload_block", "place", "swap", "release"} <= set(stats["store_s"])
     assert all(t > 0 for t in stats["store_s"].values())
+    assert set(stats["scan_split_s"]) == {"device", "ready", "select", "gather"}
+    assert stats["scan_split_s"]["select"] > 0 and sum(stats["scan_split_s"].values()) <= stats["scan_s"]

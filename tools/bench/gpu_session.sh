@@ -17,7 +17,8 @@
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
 # herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
-# context; HERALD_BATCHES=8,32,max probes each policy's largest batch; HERALD_BATCHES_<policy>: one policy's own, as host pools hold more rows), heraldq (selection recall and exact match on
+# context; HERALD_BATCHES=8,32,max probes each policy's largest batch; HERALD_BATCHES_<policy>: one policy's own, as host pools hold more rows;
+# HERALD_TESTS=0 / HERALD_CEILINGS=0: skip the GPU tests / the ceilings), heraldq (selection recall and exact match on
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -220,10 +221,11 @@ fi
 if has herald; then  # mage / herald (device pool, host pool): exactness on the GPU, the sparse step's speed, then quality
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1 \
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
-  timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py tests/policies/test_herald.py \
-    -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
+  [ "${HERALD_TESTS:-1}" = 1 ] && timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py \
+    tests/policies/test_herald.py -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do  # the same call's ceilings: HBM, PCIe, DRAM, ext/
-    timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -4
+    [ "${HERALD_CEILINGS:-1}" = 1 ] && timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx \
+      --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -4
   done
   # the host pool's ablation: herald_hostmage (the B [MASK] queries' CPU attention at the boundary: MAGE-Offload's
   # selection on the CPU), herald_hostrep (+ one representative query), herald_hostfwd (+ the draft's lookahead:
@@ -231,7 +233,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # herald_keys (variant 5c: every key on the device, scanned there; only the values in the host pool), herald_keysw
   # (herald_keys with draft_wait DRAFT_WAIT: rows out of step draft in one forward), herald_fetch (MAGE-Offload's second
   # form: each block's prefix fetched from the host pool for MAGE's selection), herald_host8 (herald_host with 8 scratch
-  # caches for admission instead of 4)
+  # caches for admission instead of 4; herald_host8t12: on 12 host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE)
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     sets="--set policy.name=${p%%_*}"
     [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
@@ -241,13 +243,15 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
     [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
-    [ $p = herald_host8 ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
+    [[ $p = herald_host8* ]] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
+    [ $p = herald_host8t12 ] && sets="$sets --set policy.host_threads=12"
+    envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
     [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
     [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
       --set policy.draft_wait=${DRAFT_WAIT:-4}"
     var=HERALD_BATCHES_$p; batches=${!var:-${HERALD_BATCHES:-8,32}}  # e.g. HERALD_BATCHES_herald_keys: its own
-    timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set compile=$COMPILE \
-      $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
+    env $envs timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
+      --set compile=$COMPILE $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
       --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
   done
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
