@@ -154,7 +154,8 @@ class HostPool:
         drafts = {"draft_forwards": h["draft_forwards"]} if self.lookahead else {}
         if not self.host_pool:
             return drafts
-        return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "scan_split_s": dict(host.kv.shared.worker_seconds),
+        split = dict(host.kv.shared.worker_seconds)
+        return drafts | {"scans": h["scans"], "scan_s": h["scan_s"], "scan_split_s": split,
                          "boundary_stall_s": h["stall_s"], "boundary_hooks_s": h["boundary_s"],
                          "draft_hooks_s": h["draft_s"], "store_s": dict(host.kv.shared.seconds)}
 
