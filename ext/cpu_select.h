@@ -2,7 +2,9 @@
 //
 // Keys / values, one layer of the full pool, bf16 bits:
 //   element [b][h][s][d] at ptr + b*sb + h*sh + s*ss + d      (strides in elements, d contiguous)
-//   b < B requests, h < KVH kv heads, s < lengths[b] valid positions, d < D (D % 32 == 0, D <= 256).
+//   b < B requests, h < KVH kv heads, s < lengths[b] valid positions, d < D (D % 32 == 0, D <= 256);
+//   with `rows`, request b is the pool's entry rows[b] (b replaced by rows[b] above: any entries, in any order, so
+//   one call can cover several layers of a stacked pool).
 // Queries, bf16 bits: [b][hq][i][d] at q + b*q_sb + hq*q_sh + i*q_sn + d, hq < KVH*G, i < n_q.
 //   Query head hq reads kv head hq / G. Inside a kv head the G*n_q rows are r = g*n_q + i.
 // Scores are float32 dot products of bf16 values, times scale. Each bf16 product is exact in
@@ -40,6 +42,7 @@ struct SelectArgs {
   int64_t topk = 0;        // used only when idx != nullptr: idx's row length
   const int64_t* row_topk = nullptr;      // [B] optional: each request's k (<= topk)
   const int64_t* rank_lengths = nullptr;  // [B] optional: positions a request ranks (<= lengths)
+  const int64_t* rows = nullptr;  // [B] optional: request b reads the pool's entry rows[b] (k + rows[b] * k_sb)
   int32_t* idx = nullptr;  // optional outputs
   float* out = nullptr;
   float* lse = nullptr;
@@ -58,6 +61,7 @@ struct GatherArgs {
   int64_t v_sb = 0, v_sh = 0, v_ss = 0;
   int64_t B = 0, KVH = 0, D = 0;
   const int32_t* idx = nullptr;  // [B][KVH][topk]
+  const int64_t* rows = nullptr;  // [B] optional: request b reads the pool's entry rows[b], as in SelectArgs
   int64_t topk = 0;
   uint16_t* dst = nullptr;
   int threads = 0;

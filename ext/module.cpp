@@ -60,7 +60,7 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
                       int64_t KVH, int64_t D, uintptr_t lengths, uintptr_t q, std::array<int64_t, 3> qs, int64_t G,
                       int64_t n_q, double scale, int64_t topk, uintptr_t idx, uintptr_t out, uintptr_t lse,
                       int threads, bool portable, int prefetch, bool prefetch_l2, int64_t score_budget,
-                      uintptr_t row_topk, uintptr_t rank_lengths) {
+                      uintptr_t row_topk, uintptr_t rank_lengths, uintptr_t rows) {
   if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("select: head_dim must be a multiple of 32 in [32, 256]");
   if (G < 1 || n_q < 1 || G * n_q > 4096) throw std::invalid_argument("select: need G >= 1, n_q >= 1, G*n_q <= 4096");
   if (!k || !q || !lengths) throw std::invalid_argument("select: null k, q or lengths");
@@ -81,6 +81,7 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
   a.topk = topk;
   a.row_topk = ptr<const int64_t>(row_topk);
   a.rank_lengths = ptr<const int64_t>(rank_lengths);
+  a.rows = ptr<const int64_t>(rows);
   a.idx = ptr<int32_t>(idx);
   a.out = ptr<float>(out);
   a.lse = ptr<float>(lse);
@@ -97,7 +98,8 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
 }
 
 std::string py_gather(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
-                      int64_t KVH, int64_t D, uintptr_t idx, int64_t topk, uintptr_t dst, int threads, bool portable) {
+                      int64_t KVH, int64_t D, uintptr_t idx, int64_t topk, uintptr_t dst, int threads, bool portable,
+                      uintptr_t rows) {
   if (!k || !v || !dst || (topk > 0 && !idx)) throw std::invalid_argument("gather: null pointer");
   if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("gather: head_dim must be a multiple of 32 in [32, 256]");
   GatherArgs a;
@@ -107,6 +109,7 @@ std::string py_gather(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
   a.v_sb = vs[0], a.v_sh = vs[1], a.v_ss = vs[2];
   a.B = B, a.KVH = KVH, a.D = D;
   a.idx = ptr<const int32_t>(idx);
+  a.rows = ptr<const int64_t>(rows);
   a.topk = topk;
   a.dst = ptr<uint16_t>(dst);
   a.threads = threads;
@@ -169,10 +172,11 @@ PYBIND11_MODULE(_cpu_select, m) {
         py::arg("n_q"), py::arg("scale"), py::arg("topk"), py::arg("idx"), py::arg("out"), py::arg("lse"),
         py::arg("threads") = 0, py::arg("portable") = false, py::arg("prefetch") = 0,
         py::arg("prefetch_l2") = false, py::arg("score_budget") = 0, py::arg("row_topk") = 0,
-        py::arg("rank_lengths") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
+        py::arg("rank_lengths") = 0, py::arg("rows") = 0, "One layer for a batch; addresses as ints, strides in elements. Returns the path used.");
   m.def("gather", &py_gather, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
         py::arg("KVH"), py::arg("D"), py::arg("idx"), py::arg("topk"), py::arg("dst"), py::arg("threads") = 0,
-        py::arg("portable") = false, "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");
+        py::arg("portable") = false, py::arg("rows") = 0,
+        "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");
   m.def("read_probe", &py_read_probe, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 0,
         py::arg("portable") = false, "Read nbytes once with all threads (a bandwidth probe); returns a checksum.");
   m.def("compute_probe", [](int kind, int64_t iters, int threads) {

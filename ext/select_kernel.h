@@ -107,8 +107,9 @@ inline void scan_unit(const SelectArgs& a, const Plan& p, const Unit& u, float* 
     vstore(lv + r * kTile, vzero());
   }
   if (o) std::memset(o, 0, sizeof(float) * R * D);
-  const uint16_t* kb = a.k + it.b * a.k_sb + it.h * a.k_sh;
-  const uint16_t* vb = o ? a.v + it.b * a.v_sb + it.h * a.v_sh : nullptr;
+  const int64_t pb = a.rows ? a.rows[it.b] : it.b;  // the pool entry request it.b reads
+  const uint16_t* kb = a.k + pb * a.k_sb + it.h * a.k_sh;
+  const uint16_t* vb = o ? a.v + pb * a.v_sb + it.h * a.v_sh : nullptr;
   const float c = a.scale * kLog2e;
   const int64_t pf = int64_t(a.prefetch) * kTile;
   float* s = t.s.as<float>();
@@ -289,7 +290,8 @@ inline void run_gather(const GatherArgs& a) {
   for (int64_t x = 0; x < units; ++x) {
     const int64_t sl = x % slices, bh = (x / slices) % (a.B * a.KVH), kv = x / (slices * a.B * a.KVH);
     const int64_t b = bh / a.KVH, h = bh % a.KVH;
-    const uint16_t* src = kv ? a.v + b * a.v_sb + h * a.v_sh : a.k + b * a.k_sb + h * a.k_sh;
+    const int64_t pb = a.rows ? a.rows[b] : b;
+    const uint16_t* src = kv ? a.v + pb * a.v_sb + h * a.v_sh : a.k + pb * a.k_sb + h * a.k_sh;
     const int64_t ss = kv ? a.v_ss : a.k_ss;
     const int32_t* idx = a.idx + bh * a.topk;
     uint16_t* dst = a.dst + (kv * a.B * a.KVH + bh) * a.topk * a.D;

@@ -227,15 +227,20 @@ def select(
     prefetch: int = 1,
     prefetch_l2: bool = True,
     dot_form: str = "auto",
+    rows: torch.Tensor | Sequence[int] | None = None,
     _score_budget: int = 0,
 ) -> SelectResult:
     """One layer for a batch (see the module docstring). topk=None skips the selection;
     want_output=False skips V (selection only); portable=True forces the portable path;
     prefetch is a software prefetch distance in 16-key tiles (0: hardware prefetch only), into L2
     with prefetch_l2; the default (1 tile, L2) was the fastest on the H200 host. dot_form: how the
-    AVX-512 path forms dot products (DOT_FORMS). None of these changes results (but 'amx_inexact')."""
+    AVX-512 path forms dot products (DOT_FORMS). None of these changes results (but 'amx_inexact').
+    rows [B] (optional): request b reads k_cache[rows[b]] (and v_cache's), without a copy: the caches are then a
+    pool of any number of entries (several layers of a stacked pool, say), and q, lengths, ... have B = len(rows)."""
     k_cache = _check_cache("k_cache", k_cache)
     B, KVH, S, D = k_cache.shape
+    pool_rows = _pool_rows(rows, B)
+    B = B if pool_rows is None else pool_rows.numel()
     _check_head_dim(D)
     if want_output:
         if v_cache is None:
@@ -278,8 +283,19 @@ def select(
             lse.data_ptr() if lse is not None else 0,
             threads, portable, prefetch, bool(prefetch_l2), _score_budget,
             row_topk.data_ptr() if row_topk is not None else 0, ranks.data_ptr() if ranks is not None else 0,
+            pool_rows.data_ptr() if pool_rows is not None else 0,
         )
     return SelectResult(idx, out, lse, path)
+
+
+def _pool_rows(rows: torch.Tensor | Sequence[int] | None, entries: int) -> torch.Tensor | None:
+    """select / gather's `rows`: [B] int64 in [0, entries), contiguous on the CPU (or None)."""
+    if rows is None:
+        return None
+    t = _per_request_ints("rows", rows, len(rows))
+    if t.numel() and int(t.max()) >= entries:
+        raise ValueError(f"rows must lie in [0, {entries}) (the caches' entries), got max {int(t.max())}")
+    return t
 
 
 def gather(
@@ -291,12 +307,16 @@ def gather(
     pin_memory: bool | None = None,
     threads: int = 0,
     portable: bool = False,
+    rows: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Copy the selected rows into out [2, B, KVH, topk, D] bf16 (K then V); -1 gives zeros.
-    out is allocated (pinned when CUDA is available, unless pin_memory says otherwise) if None."""
+    out is allocated (pinned when CUDA is available, unless pin_memory says otherwise) if None.
+    rows [B] (optional): request b reads the caches' entry rows[b] (as in select)."""
     k_cache = _check_cache("k_cache", k_cache)
     v_cache = _check_cache("v_cache", v_cache, tuple(k_cache.shape))
     B, KVH, S, D = k_cache.shape
+    pool_rows = _pool_rows(rows, B)
+    B = B if pool_rows is None else pool_rows.numel()
     _check_head_dim(D)
     if not isinstance(topk_idx, torch.Tensor):
         raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
@@ -319,6 +339,7 @@ def gather(
     _ext().gather(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3],
         B, KVH, D, topk_idx.data_ptr(), k, out.data_ptr(), threads, portable,
+        pool_rows.data_ptr() if pool_rows is not None else 0,
     )
     return out
 

@@ -43,14 +43,14 @@ from compiledllm.kv.store import DeviceKV
 
 @dataclass(frozen=True)
 class Scanned:
-    """A CPU scan's result for the rows it selected for: store slots first + rows[i], their keep counts [m] and, per
-    selecting layer, the gathered K and V (or V alone) [m, 2 or 1, KVH, k, D] on the host (pinned on CUDA): only
-    those rows cross to the device."""
+    """A CPU scan's result for the rows it selected for: store slots first + rows[i], their keep counts [m] and the
+    gathered K and V (or V alone) of every selecting layer, [2 or 1, L, m, KVH, k, D] on the host (pinned on CUDA):
+    only those rows cross to the device, in one copy."""
 
     first: int
     rows: list[int]
     keep: torch.Tensor
-    staged: list[torch.Tensor]
+    staged: torch.Tensor
 
     @property
     def slots(self) -> list[int]:
@@ -108,6 +108,11 @@ class _Shared:
             for write in self.writes:
                 write()
             self.writes.clear()
+
+
+def _flat(pool: torch.Tensor) -> torch.Tensor:
+    """A stacked host pool [L, slots, KVH, capacity, D] as its [L * slots, ...] entries (a view)."""
+    return pool.view(-1, *pool.shape[2:])
 
 
 def _timed(method):
@@ -363,31 +368,48 @@ class OffloadKV(SelectionStore):
         device steps): in every selecting layer j the query q[b, j] ([n, L, H, D] on the CPU; row b = slot first +
         b) scores the host pool's keys [0, end[b]), and the keep[b] positions before prefix[b] of largest mass (per
         KV head the G heads' softmax probabilities summed; ties: the lower position) are gathered into host staging
-        ([2, n, KVH, max keep, D] per layer). bf16 pools go through the fused kernel (kv/cpu_select.py), others
+        (Scanned). bf16 pools go through the fused kernel (kv/cpu_select.py; one call for every layer and row), others
         through the same math in torch. prefix, end, keep: [n] CPU tensors."""
-        n = q.shape[0]
+        n, L = q.shape[0], len(self.selecting_layers)
         t = time.perf_counter()
-        on, rows = self._ready(slots, n)
+        on, _ = self._ready(slots, n)
         t = self.shared.count("ready", t)
-        prefix, end, keep = prefix * on, end.clamp(max=self.capacity) * on, keep * on
-        H, D = q.shape[2], q.shape[3]
-        chosen = []
-        for j in range(len(self.selecting_layers)):
-            hk = self.host_k[j][rows]  # [n, KVH, capacity, D]
-            if self.fused:
-                chosen.append(cpu_select.select(q[:, j].reshape(n, H, 1, D), hk, None, end, keep, rank_lengths=prefix,
-                                                want_output=False, want_lse=False, threads=threads).topk_idx)
-            else:
-                chosen.append(host_attention(q[:, j][:, :, None], hk, None, end, keep, prefix)[2])
+        rows = on.nonzero()[:, 0]
+        m, H, D = rows.numel(), q.shape[2], q.shape[3]
+        prefix, end, keep = prefix[rows], end[rows].clamp(max=self.capacity), keep[rows]
+        entries = self._entries(rows)
+        if self.fused:  # one call for every selecting layer's rows (ext/ reads the stacked pool's entries in place)
+            chosen = cpu_select.select(q[rows].transpose(0, 1).reshape(L * m, H, 1, D), _flat(self.host_k), None,
+                                       end.repeat(L), keep.repeat(L), rank_lengths=prefix.repeat(L), rows=entries,
+                                       want_output=False, want_lse=False, threads=threads).topk_idx
+        else:
+            chosen = torch.cat([host_attention(q[rows, j][:, :, None], self.host_k[j, self.first + rows], None, end,
+                                               keep, prefix)[2] for j in range(L)])
         t = self.shared.count("select", t)
-        out = self.gathered(on, keep, chosen, threads)
+        out = Scanned(self.first, rows.tolist(), keep, self._gather(entries, chosen, 2, threads))
         self.shared.count("gather", t)
         return out
 
-    def _staging(self, m: int, kinds: int, k: int) -> torch.Tensor:
-        """[m, kinds, KVH, k, D] host staging of a selection (pinned where the pool is)."""
+    def _entries(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L * m] the stacked host pools' entries (layer-major) of the view's rows [m]."""
+        slots = self.host_v.shape[1]
+        return (torch.arange(len(self.selecting_layers))[:, None] * slots + (self.first + rows)[None]).reshape(-1)
+
+    def _gather(self, entries: torch.Tensor, idx: torch.Tensor, kinds: int, threads: int) -> torch.Tensor:
+        """The host pools' rows idx [L * m, KVH, k] (int32, -1: none) of `entries` into staging [kinds, L, m, KVH,
+        k, D] (pinned where the pool is): K and V (kinds 2) or V alone (1), in one call of ext/'s gather."""
         hv = self.host_v
-        return torch.empty(m, kinds, hv.shape[2], k, hv.shape[4], dtype=hv.dtype, pin_memory=hv.is_pinned())
+        KVH, k, D = hv.shape[2], idx.shape[2], hv.shape[4]
+        pools = (_flat(hv),) if kinds == 1 else (_flat(self.host_k), _flat(hv))
+        if self.fused:  # values alone: ext/ reads them as both K and V (its output holds both)
+            out = torch.empty(2, entries.numel(), KVH, k, D, dtype=hv.dtype, pin_memory=hv.is_pinned())
+            cpu_select.gather(pools[0], pools[-1], idx, out=out, rows=entries, threads=threads)
+            out = out[2 - kinds :]
+        else:
+            safe = idx.clamp(min=0).long()
+            at = (entries[:, None, None], torch.arange(KVH)[None, :, None], safe)
+            out = torch.stack([pool[at] for pool in pools])
+        return out.view(kinds, len(self.selecting_layers), entries.numel() // len(self.selecting_layers), KVH, k, D)
 
     @property
     def fused(self) -> bool:
@@ -397,22 +419,10 @@ class OffloadKV(SelectionStore):
     def gathered(self, on: torch.Tensor, keep: torch.Tensor, chosen: list[torch.Tensor], threads: int = 0
                  ) -> "Scanned":
         """The view's rows where `on` [n]: per selecting layer the K/V of the positions chosen[j] ([n, KVH, k] int32,
-        -1: none) gathered from the host pool into staging [m, 2, KVH, k, D]."""
-        rows = on.nonzero()[:, 0].tolist()
-        heads = torch.arange(self.host_v.shape[2])[:, None]
-        staged = []
-        for j, idx in enumerate(chosen):
-            out = self._staging(len(rows), 2, idx.shape[2])
-            for i, b in enumerate(rows):
-                s = self.first + b
-                if self.fused:
-                    cpu_select.gather(self.host_k[j][s : s + 1], self.host_v[j][s : s + 1], idx[b : b + 1],
-                                      out=out[i].unsqueeze(1), threads=threads)
-                else:
-                    safe = idx[b].clamp(min=0).long()
-                    out[i] = torch.stack([self.host_k[j][s][heads, safe], self.host_v[j][s][heads, safe]])
-            staged.append(out)
-        return Scanned(self.first, rows, keep[rows], staged)
+        -1: none) gathered from the host pool into staging."""
+        rows = on.nonzero()[:, 0]
+        idx = torch.stack(chosen)[:, rows].flatten(0, 1).int()
+        return Scanned(self.first, rows.tolist(), keep[rows], self._gather(self._entries(rows), idx, 2, threads))
 
     def host_attend(self, lengths: torch.Tensor, keep: torch.Tensor, prefix: torch.Tensor) -> "HostAttendView":
         """A forward's store where the selecting layers attend on the CPU over the host pool's keys [0, lengths)
@@ -430,15 +440,14 @@ class OffloadKV(SelectionStore):
         pick = [i for i, s in enumerate(slots) if only is None or s in only]
         if not pick:
             return
-        first = scanned.staged[0]  # [m, K and V or V, KVH, k, D]
-        x = torch.empty(len(scanned.staged), *first.shape, dtype=first.dtype, device=self.device)
-        for j, part in enumerate(scanned.staged):  # one transfer per layer (each part is contiguous, pinned on CUDA)
-            x[j].copy_(part, non_blocking=True)
+        staged = scanned.staged  # [K and V or V, L, m, KVH, k, D]
+        x = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+        x.copy_(staged, non_blocking=True)  # one transfer (pinned on CUDA)
         at = torch.tensor(pick, device=self.device)
         rows = torch.tensor([slots[i] for i in pick], device=self.device)
         base = self.size.scratch_rows + ((1 - self.region[rows]) * self.size.slots + rows) * self.per_row
-        dest = base[:, None] + torch.arange(first.shape[3], device=self.device)  # [picked, k]: their idle regions
-        for t, new in zip(self.pools[2 - first.shape[1]:], x[:, at].unbind(2)):  # [K, V] or [V]
+        dest = base[:, None] + torch.arange(staged.shape[4], device=self.device)  # [picked, k]: their idle regions
+        for t, new in zip(self.pools[2 - staged.shape[0]:], x[:, :, at]):  # [K, V] or [V]
             t[:, dest] = new.transpose(2, 3).to(t.dtype)  # [L, picked, k, KVH, D]
         self.kept[rows] = scanned.keep[pick].to(self.device)
 
@@ -475,20 +484,11 @@ class OffloadKV(SelectionStore):
         t = time.perf_counter()
         on, _ = self._ready(slots, chosen.shape[1])
         t = self.shared.count("ready", t)
-        rows = on.nonzero()[:, 0].tolist()
-        heads = torch.arange(chosen.shape[2])[:, None]
-        staged = []
-        for j in range(len(self.selecting_layers)):
-            out = self._staging(len(rows), 1, chosen.shape[3])
-            for i, b in enumerate(rows):
-                hv, idx = self.host_v[j][self.first + b], chosen[j, b].clamp(max=self.capacity - 1)
-                if self.fused:  # ext/'s gather, on at most `threads` cores (it copies the values twice: as K and V)
-                    out[i, 0] = cpu_select.gather(hv[None], hv[None], idx[None].int(), threads=threads)[1, 0]
-                else:
-                    out[i, 0] = hv[heads, idx]
-            staged.append(out)
+        rows = on.nonzero()[:, 0]
+        idx = chosen[:, rows].clamp(max=self.capacity - 1).flatten(0, 1).int()
+        out = self._gather(self._entries(rows), idx, 1, threads)
         self.shared.count("gather", t)
-        return Scanned(self.first, rows, keep[rows], staged)
+        return Scanned(self.first, rows.tolist(), keep[rows], out)
 
     def copy_idle(self, src: int, dst: int) -> None:
         """Slot src's idle region and kept count to slot dst (a selection placed after the slot moved)."""

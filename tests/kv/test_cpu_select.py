@@ -188,6 +188,32 @@ def test_gather_byte_exact(portable):
         assert torch.equal(unaligned.view(torch.int16), got.view(torch.int16))
 
 
+@pytest.mark.parametrize("portable", PATHS, ids=lambda p: "portable" if p else "native")
+def test_rows_read_pool_entries_without_a_copy(portable):
+    """select and gather with `rows` (one call over entries of a stacked [layers * slots] pool, any order, repeats)
+    == the same calls on the entries copied out: bitwise, per-request k and rank lengths included."""
+    L, slots, KVH, S, D, G = 3, 4, 2, 300, 64, 4
+    g = torch.Generator().manual_seed(5)
+    pool_k = torch.randn(L, slots, KVH, S, D, generator=g).to(torch.bfloat16)
+    pool_v = torch.randn(L, slots, KVH, S, D, generator=g).to(torch.bfloat16)
+    rows = torch.tensor([1 * slots + 2, 0 * slots + 3, 2 * slots + 2, 1 * slots + 2, 5])
+    B = rows.numel()
+    q = torch.randn(B, KVH * G, 1, D, generator=g).to(torch.bfloat16)
+    lengths, ranks, keep = [300, 17, 250, 120, 0], [290, 17, 200, 100, 0], [30, 20, 5, 12, 0]
+    flat_k, flat_v = pool_k.view(L * slots, KVH, S, D), pool_v.view(L * slots, KVH, S, D)
+    copy_k, copy_v = flat_k[rows].contiguous(), flat_v[rows].contiguous()
+    kw = dict(rank_lengths=ranks, portable=portable)
+    got = cs.select(q, flat_k, flat_v, lengths, keep, rows=rows, **kw)
+    want = cs.select(q, copy_k, copy_v, lengths, keep, **kw)
+    for a, b in zip((got.topk_idx, got.out, got.lse), (want.topk_idx, want.out, want.lse)):
+        assert torch.equal(a, b)
+    staged = cs.gather(flat_k, flat_v, got.topk_idx, rows=rows, portable=portable, pin_memory=False)
+    assert torch.equal(staged.view(torch.int16), gather_ref(copy_k, copy_v, want.topk_idx).view(torch.int16))
+    _bad(ValueError, "rows must lie in", cs.select, q, flat_k, None, lengths, keep, want_output=False,
+         rows=rows + L * slots)
+    _bad(ValueError, "q must be", cs.select, q[:2], flat_k, None, lengths[:2], keep[:2], want_output=False, rows=rows)
+
+
 def test_read_probe():
     buf = torch.arange(1 << 16, dtype=torch.int64)
     assert cs.read_probe(buf) == int(buf.sum())
