@@ -80,7 +80,7 @@ class HeraldConfig(MageConfig):
     # a row's draft step may come up to this many steps after step 1, so that rows out of step draft in one forward
     # (the draft, its K/V and the selection it prepares are the same at any step of the block; the paper: 0)
     draft_wait: int = 0
-    # pool: host: cores for the host worker's scans and gathers (0: all but one)
+    # pool: host: cores for the host worker's scans and gathers (0: all but four)
     host_threads: int = 0
 
     def __post_init__(self) -> None:
