@@ -1,7 +1,8 @@
 """The ceilings HERALD's speed table is read against, measured in the same device call as the bench: HBM and bf16
 matmul rate (gpu_timing.ceilings), PCIe with pinned memory both ways, the host's DRAM read rate, and ext/'s scan and
 value gather alone at the bench's shape (LLaDA2.0-mini: 18 selecting layers of 4 KV heads x 4 query heads x 128, a
-5 % budget) on the cores the host worker uses; then what one block of one request costs on each.
+5 % budget; every layer in one call, as the host pool's scan; pageable and pinned) on the cores the host worker uses;
+then what one block of one request costs on each.
 
     python tools/bench/herald_ceilings.py --prefix 32000 [--rows 1,8] [--out herald_ceilings.json]
 """
@@ -35,30 +36,35 @@ def pcie(gib: float = 1.0) -> dict:
     return {"h2d_bytes_per_s": 2 * n / (h2d / 1e3), "d2h_bytes_per_s": 2 * n / (d2h / 1e3)}
 
 
-def scan_and_gather(S: int, rows: int, threads: int) -> dict:
-    """ext/'s fused scan (one query of G heads per KV head, keys only, top 5 %) and value gather over `rows` requests
-    of one layer, per call; GB/s of the keys read (scan) or the rows written (gather)."""
+def scan_and_gather(S: int, rows: int, threads: int, pinned: bool) -> dict:
+    """ext/'s fused scan (one query of G heads per KV head, keys only, top 5 %) and K+V gather over `rows` requests of
+    every selecting layer in one call each, as the host pool's scan makes them (a stacked pool's entries read in place
+    through `rows`); the pool pinned (as the host pool is on CUDA: page-locked, 4 KiB pages) or pageable. Seconds per
+    call, GB/s of the keys read (scan) or the rows written (gather)."""
     g = torch.Generator().manual_seed(S)
-    k = torch.randn(rows, KVH, S, D, generator=g).to(torch.bfloat16)
-    v = torch.randn(rows, KVH, S, D, generator=g).to(torch.bfloat16)
-    q = torch.randn(rows, KVH * G, 1, D, generator=g).to(torch.bfloat16)
-    lengths, keep = torch.full((rows,), S, dtype=torch.int64), max(1, round(BUDGET * S))
-    scan = timeit(lambda i: cs.select(q, k, None, lengths, keep, want_output=False, want_lse=False, threads=threads),
-                  3, 20, 0.5)["median_s"]
+    n = LAYERS * rows
+    k, v = (torch.empty(n, KVH, S, D, dtype=torch.bfloat16, pin_memory=pinned).normal_(generator=g) for _ in range(2))
+    q = torch.randn(n, KVH * G, 1, D, generator=g).to(torch.bfloat16)
+    lengths, keep, entries = torch.full((n,), S, dtype=torch.int64), max(1, round(BUDGET * S)), torch.arange(n)
+    scan = timeit(lambda i: cs.select(q, k, None, lengths, keep, want_output=False, want_lse=False, threads=threads,
+                                      rows=entries), 3, 20, 0.5)["median_s"]
     idx = cs.select(q, k, None, lengths, keep, want_output=False, want_lse=False, threads=threads).topk_idx
-    gather = timeit(lambda i: cs.gather(k, v, idx, threads=threads), 3, 20, 0.5)["median_s"]
-    return {"rows": rows, "scan_s": scan, "scan_gbs": rows * KVH * S * D * 2 / scan / 1e9,
-            "gather_s": gather, "gather_gbs": 2 * rows * KVH * keep * D * 2 / gather / 1e9}
+    out = cs.gather(k, v, idx, threads=threads, rows=entries)  # the staging reused: no page faults in the timing
+    gather = timeit(lambda i: cs.gather(k, v, idx, out=out, threads=threads, rows=entries), 3, 20, 0.5)["median_s"]
+    return {"rows": rows, "pinned": pinned, "scan_s": scan, "scan_gbs": n * KVH * S * D * 2 / scan / 1e9,
+            "gather_s": gather, "gather_gbs": 2 * n * KVH * keep * D * 2 / gather / 1e9}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", type=int, default=32000)
-    ap.add_argument("--rows", default="1,8", help="requests per scan call")
+    ap.add_argument("--rows", default="1,4", help="requests per scan call")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 4),
+                    help="ext/'s threads (default: herald's host_threads default, all cores but four)")
     ap.add_argument("--dram-gib", type=float, default=4.0, help="buffer the DRAM read rate is measured on")
     ap.add_argument("--out", default="herald_ceilings.json")
     args = ap.parse_args()
-    threads = max(1, (os.cpu_count() or 2) - 1)  # as policies/herald_pool._worker_threads
+    threads = args.threads
     S, keep = args.prefix, max(1, round(BUDGET * args.prefix))
     rec: dict = {"prefix": S, "threads": threads,
                  "shape": {"layers": LAYERS, "kv_heads": KVH, "group": G, "head_dim": D},
@@ -67,12 +73,14 @@ def main() -> None:
     if torch.cuda.is_available():
         rec["gpu"] = ceilings() | pcie()
     rec["dram"] = read_bandwidth(0, args.dram_gib)
-    rec["ext"] = [scan_and_gather(S, int(r), threads) for r in args.rows.split(",")] if cs.extension_available() else []
+    pins = (False, True) if torch.cuda.is_available() else (False,)
+    rec["ext"] = [scan_and_gather(S, int(r), threads, pin) for r in args.rows.split(",") for pin in pins] \
+        if cs.extension_available() else []
     # one block of one request: its keys scanned in every selecting layer, its selection (K and V, or V) over PCIe
     row_keys = LAYERS * KVH * S * D * 2
     per_block = {"keys_bytes": row_keys, "selection_kv_bytes": 2 * LAYERS * KVH * keep * D * 2}
     if rec["ext"]:
-        best = max(rec["ext"], key=lambda r: r["scan_gbs"])
+        best = max([r for r in rec["ext"] if r["pinned"]] or rec["ext"], key=lambda r: r["scan_gbs"])  # the pool's
         per_block["cpu_scan_s"] = row_keys / (best["scan_gbs"] * 1e9)
         per_block["cpu_gather_kv_s"] = per_block["selection_kv_bytes"] / (best["gather_gbs"] * 1e9)
     if "gpu" in rec:
@@ -85,8 +93,9 @@ def main() -> None:
           f"TFLOP/s, PCIe H2D {gpu.get('h2d_bytes_per_s', 0) / 1e9:.1f} / D2H {gpu.get('d2h_bytes_per_s', 0) / 1e9:.1f}"
           f" GB/s, DRAM read {rec['dram']['ext_read_probe_gbs']:.0f} GB/s ({os.cpu_count()} cores)")
     for r in rec["ext"]:
-        print(f"ext/ at {S} keys, {r['rows']} rows, {threads} threads: scan {r['scan_gbs']:.1f} GB/s, "
-              f"value+key gather {r['gather_gbs']:.1f} GB/s")
+        print(f"ext/ at {S} keys, {r['rows']} rows x {LAYERS} layers a call, {threads} threads, "
+              f"{'pinned' if r['pinned'] else 'pageable'}: scan {r['scan_gbs']:.1f} GB/s "
+              f"({r['scan_s'] / r['rows'] * 1e3:.1f} ms a request-block), K+V gather {r['gather_gbs']:.1f} GB/s")
     print("per request and block: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") else f"{k} {v / 1e6:.0f} MB"
                                                 for k, v in per_block.items()))
 
