@@ -9,9 +9,11 @@ from compiledllm.attention.launch import PackedArgs
 from compiledllm.attention.reference import reference
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, layer: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, layer: int, written: bool = False
+           ) -> torch.Tensor:
     """q [B, Q, H, D], the forward's fresh k/v [B, Q, KVH, D] -> [B, Q, H, D]. Reads the KV source as it was
-    before this forward, then writes the fresh K/V at fwd.kv_write (-1 = skip)."""
+    before this forward, then writes the fresh K/V at fwd.kv_write (-1 = skip) unless the projection has (`written`:
+    Forward.fused_cache, whose attention reads no position it writes)."""
     spec = fwd.attention
     if getattr(kv_layer, "on_host", False):  # a layer that attends on the CPU (kv/offload.HostLayer)
         return kv_layer.attend(q, k, v, spec.rule)
@@ -36,7 +38,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, lay
             mass = _approximate_mass(args, skew, queries)
         if mass is not None:
             acc.add_(mass)
-    if fwd.kv_write is not None and kv_layer is not None:
+    if fwd.kv_write is not None and kv_layer is not None and not written:
         kv_layer.write(fwd.kv_write, k, v)
     return out
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiledllm.attention.backend import attend
-from compiledllm.models import moe_triton
+from compiledllm.models import moe_triton, qkv_kernel
 from compiledllm.models.config import ModelConfig, MoEConfig
 from compiledllm.profiling import phase
 
@@ -73,9 +73,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rotary: Rotary, cos, sin, fwd, kv_layer):
         B, L, _ = x.shape
-        q, k, v = self.project(x, rotary, cos, sin)
+        if fwd.fused_cache:  # the K/V written by the projection itself (Flash-Cache), before the attention reads
+            with phase("projections"):
+                q, k, v = qkv_kernel.project_write(self, rotary, x, cos, sin, kv_layer, fwd.kv_write)
+        else:
+            q, k, v = self.project(x, rotary, cos, sin)
         with phase("attention"):
-            out = attend(q, k, v.contiguous(), fwd, kv_layer, self.index)
+            out = attend(q, k, v.contiguous(), fwd, kv_layer, self.index, written=fwd.fused_cache)
         with phase("projections"):
             out = self.o(out.reshape(B, L, self.h * self.hd))
         return out if self.parallel is None else self.parallel.all_reduce(out)

@@ -25,6 +25,8 @@ least the capacity every position is recomputed every step in the order a no-cac
 are `threshold` (rule fast_dllm)'s without a cache.
 
 `verify: true` adds Flash-Verify's forward after each decode step (phase "verify", policies/flash_verify.py).
+`fused_cache: true` makes the projection write the K/V (Flash-Cache's fused kernel, models/qkv_kernel.py): safe in
+both phases, as the refresh reads only its own keys and a decode forward's cache has holes at the set's positions.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
     threshold: float = 0.9
     track: int = 64   # decoded positions of largest attention mass recomputed each step
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
+    # Flash-Cache's fused kernel: the projection writes the K/V itself (models/qkv_kernel.py; Triton on CUDA for
+    # LLaDA-8B-like layers, elsewhere the separate path in that order). Off until measured on the device
+    fused_cache: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,14 +139,16 @@ class FlashDLLMPolicy(FlashVerify, Policy):
             spec = AttentionSpec(Bidirectional(st.work_len), stats=st.policy["stats"][:, :T], stats_queries=counted,
                                  stats_layers=self.stats_layers())
             return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=idx, logits_rows=need,
-                           route_groups=route_groups(pos, self.block_size, live))
+                           route_groups=route_groups(pos, self.block_size, live), fused_cache=self.config.fused_cache)
         q_pos, q_live, counted, logits_at = self.query_set(st, masked, act)
         prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
         see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
         spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
                              stats=st.policy["stats"], stats_queries=counted, stats_layers=self.stats_layers())
+        # the cache it reads has holes at the set's positions (cache_around), so the set's K/V may be written first
         return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
-                       logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live))
+                       logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live),
+                       fused_cache=self.config.fused_cache)
 
     @staticmethod
     def cache_around(st, q_pos: torch.Tensor, q_live: torch.Tensor, act: torch.Tensor) -> tuple:

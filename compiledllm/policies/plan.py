@@ -38,6 +38,9 @@ class Forward:
     kernels: Kernels = field(default_factory=Kernels)
     route_groups: torch.Tensor | None = None
     route_index: torch.Tensor | None = None  # made by the model from route_groups (BlockDiffusionLM.forward)
+    # the projection writes the K/V itself, before the attention (Flash-Cache's fused kernel, models/qkv_kernel.py):
+    # only for a forward whose attention reads none of the positions it writes
+    fused_cache: bool = False
 
 
 @dataclass(frozen=True)

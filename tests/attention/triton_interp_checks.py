@@ -1,6 +1,7 @@
 """Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
 test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
-Usage: TRITON_INTERPRET=1 python tests/attention/triton_interp_checks.py {routed,routing,confidence,attention,mass,head}
+Usage: TRITON_INTERPRET=1 python tests/attention/triton_interp_checks.py CHECK
+(CHECK: routed, routing, confidence, attention, mass, head or qkv)
 The interpreter has no bf16 (numpy), so the expert and attention kernels run in fp16 here; bf16 runs on the
 GPU tests."""
 from __future__ import annotations
@@ -275,7 +276,45 @@ def head() -> None:
             assert err <= 2e-3 * ref.abs().max().item(), (T, D, V, frac, tile, err)
 
 
+def qkv() -> None:
+    """Flash-Cache's fused projection + RoPE + cache write (models/qkv_kernel.py) against the separate path
+    (F.linear, Rotary.apply, PoolView.write): q, k, v and the pool rows it writes (-1: the spare row), GQA, token
+    counts off the row tile, K off the K tile, float32 (ieee dots) and float16."""
+    from compiledllm.kv.pooled import PoolView, pool_index
+    from compiledllm.models.layers import Rotary
+    from compiledllm.models.qkv_kernel import fused_qkv_rope_write
+
+    g = torch.Generator().manual_seed(0)
+    for B, L, K, H, KVH, D, dtype, bm in [(2, 19, 96, 4, 2, 32, torch.float32, None),
+                                          (1, 70, 128, 2, 2, 64, torch.float32, 32),
+                                          (3, 5, 64, 4, 1, 64, torch.float16, None),
+                                          (2, 40, 192, 2, 1, 128, torch.float16, 16)]:
+        cap = 2 * L
+        x = torch.randn(B, L, K, generator=g).to(dtype)
+        w = (torch.randn((H + 2 * KVH) * D, K, generator=g) * K ** -0.5).to(dtype)
+        rotary = Rotary(D, 10000.0)
+        pos = torch.stack([torch.randperm(cap, generator=g)[:L] for _ in range(B)])
+        write = torch.where(torch.rand(B, L, generator=g) < 0.7, pos, -1)
+        cos, sin = rotary.cos_sin(pos)
+        q, k, v = F.linear(x, w).view(B, L, H + 2 * KVH, D).split([H, KVH, KVH], dim=2)
+        want = (rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v)
+        pools = [(torch.zeros(B * (cap + 1), KVH, D, dtype=dtype), torch.zeros(B * (cap + 1), KVH, D, dtype=dtype))
+                 for _ in range(2)]
+        PoolView(*pools[0], cap).write(write, want[1], want[2])
+        rows = pool_index(torch.where(write < 0, cap, write), cap)
+        got = fused_qkv_rope_write(x, w, cos, sin, H, KVH, rows, *pools[1], block_m=bm)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+        case = (B, L, K, H, KVH, D, dtype)
+        kept = torch.arange(B * (cap + 1)) % (cap + 1) < cap  # the spare rows take every -1 write, in any order
+        for a, b in zip((*got, *(p[kept] for p in pools[1])), (*want, *(p[kept] for p in pools[0]))):
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{case}: {m}")
+        assert pools[1][0][kept].abs().sum() > 0, case
+        bare = fused_qkv_rope_write(x, w, cos, sin, H, KVH)  # no rows: nothing written, the same q, k, v
+        for a, b in zip(bare, got):
+            assert torch.equal(a, b), case
+
+
 if __name__ == "__main__":
     {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "mass": mass,
-     "head": head}[sys.argv[1]]()
+     "head": head, "qkv": qkv}[sys.argv[1]]()
     print("ok")

@@ -163,3 +163,62 @@ def test_cuda_graphs_equal_eager(tmp_path, dtype, verify):
     graphs = Engine(model, EngineConfig(policy, cuda_graphs=True, **kw)).generate(ps)
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
     assert [r.extra["nfe"] for r in graphs] == [r.extra["nfe"] for r in eager]
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["cache", "verify"])
+@pytest.mark.parametrize("ahead,track", [(2, 3), (CAPACITY, CAPACITY)])
+def test_writing_the_kv_before_the_attention_changes_no_token(model, monkeypatch, verify, ahead, track):
+    """`fused_cache`: the projection writes each forward's K/V before its attention reads the cache (Flash-Cache's
+    order; on the CPU the separate kernels in that order): no forward reads a position it writes, so the tokens and
+    forward counts are those of the write-after order, batched and alone."""
+    from compiledllm.models import qkv_kernel
+
+    ps = prompts([5, 9, 3, 12, 7], seed=4)
+    policy = flash(0.6, ahead, track) | ({"verify": True, "gamma": 0.3} if verify else {})
+    after = run(model, policy, ps, 3)
+    calls, real = [], qkv_kernel.project_write
+    monkeypatch.setattr(qkv_kernel, "project_write", lambda *a: calls.append(a[-1] is not None) or real(*a))
+    first = run(model, policy | {"fused_cache": True}, ps, 3)
+    assert any(calls)  # the write-first path ran, with writes
+    assert [(r.output_ids, r.extra["nfe"]) for r in first] == [(r.output_ids, r.extra["nfe"]) for r in after]
+    assert [r.output_ids for r in first] == [run(model, policy | {"fused_cache": True}, [p], 1)[0].output_ids
+                                             for p in ps]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_cache_kernel_on_the_gpu(tmp_path, dtype):
+    """The Triton kernel (models/qkv_kernel.py) against the separate projection, RoPE and write: q, k, v and the pool
+    rows within the dtype's rounding; then flash_dllm with it, captured == eager, and its tokens == the separate
+    path's in float32."""
+    from compiledllm.kv.pooled import PooledLayout
+    from compiledllm.models import qkv_kernel
+
+    ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
+    attn, rotary = model.layers[0].attn, model.rotary
+    B, L, cap = 3, 37, 48
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, L, model.config.hidden_size, device="cuda", generator=g).to(dtype)
+    pos = torch.randint(0, cap, (B, L), device="cuda", generator=g)
+    write = torch.where(torch.rand(B, L, device="cuda", generator=g) < 0.8, pos, -1)
+    cos, sin = rotary.cos_sin(pos)
+    pools = [PooledLayout.for_model(model, B, cap).allocate().layer(0) for _ in range(2)]
+    assert qkv_kernel.supports(attn, rotary, x, pools[0])
+    want = qkv_kernel.project_write(attn, rotary, x.cpu().cuda(), cos, sin, None, None)
+    pools[0].write(write, want[1], want[2])
+    got = qkv_kernel.project_write(attn, rotary, x, cos, sin, pools[1], write)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    kept = torch.arange(B * (cap + 1), device="cuda") % (cap + 1) < cap  # spare rows: every -1 write, any order
+    for a, b in zip((*got, pools[1].k[kept], pools[1].v[kept]), (*want, pools[0].k[kept], pools[0].v[kept])):
+        torch.testing.assert_close(a, b, **tol)
+    ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
+    kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
+    policy = flash(0.9, 6, 5) | {"fused_cache": True}
+    eager = Engine(model, EngineConfig(policy, cuda_graphs=False, **kw)).generate(ps)
+    graphs = Engine(model, EngineConfig(policy, cuda_graphs=True, **kw)).generate(ps)
+    assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
+    if dtype == torch.float32:
+        separate = Engine(model, EngineConfig(flash(0.9, 6, 5), cuda_graphs=False, **kw)).generate(ps)
+        assert [r.output_ids for r in eager] == [r.output_ids for r in separate]
