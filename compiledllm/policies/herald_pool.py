@@ -102,6 +102,7 @@ class HostPool:
         n = max(rows) + 1
         view = host.kv.rows(0, n)
         chosen, kept = to_host(host.kv.next_pos[:, :n]), to_host(host.kv.kept[:n])
+
         def gather():
             t = time.perf_counter()
             c, k = chosen(), kept()
@@ -188,8 +189,6 @@ def to_host(t: torch.Tensor):
         event.synchronize()
         return out
     return get
-
-
 
 
 def row_mask(like: torch.Tensor, rows: list[int]) -> torch.Tensor:
