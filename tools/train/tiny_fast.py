@@ -109,7 +109,7 @@ def bd_rule(bids: torch.Tensor, n_clean: int, use_flex: bool) -> BDRule:
     return BDRule(bids, n_clean, dense=bd_dense_mask(bids, n_clean))
 
 
-def _attend(q, k, v, fwd, kv_layer, layer):
+def _attend(q, k, v, fwd, kv_layer, layer, written=False):
     rule = fwd.attention.rule
     if isinstance(rule, FullRule):
         return _sdpa(q, k, v)
@@ -117,7 +117,7 @@ def _attend(q, k, v, fwd, kv_layer, layer):
         if rule.block_mask is not None:
             return _flex.attend(q, k, v, rule.block_mask)
         return _sdpa(q, k, v, rule.dense)
-    return _engine_attend(q, k, v, fwd, kv_layer, layer)
+    return _engine_attend(q, k, v, fwd, kv_layer, layer, written)
 
 
 @contextlib.contextmanager
