@@ -52,10 +52,11 @@ struct SelectArgs {
   int64_t score_budget = 0;  // floats of score rows held at once (0: kWaveFloatsPerThread per thread)
 };
 
-// dst bf16 [2][B][KVH][topk][D] (K then V), one contiguous block for one host-to-device copy.
+// dst bf16 [2][B][KVH][topk][D] (K then V; without k, [1][B][KVH][topk][D]: V alone), one contiguous block for
+// one host-to-device copy.
 // Row i of (b, h) is row idx[b][h][i] of the pool; idx < 0 gives a zero row.
 struct GatherArgs {
-  const uint16_t* k = nullptr;
+  const uint16_t* k = nullptr;  // null: values only
   const uint16_t* v = nullptr;
   int64_t k_sb = 0, k_sh = 0, k_ss = 0;
   int64_t v_sb = 0, v_sh = 0, v_ss = 0;

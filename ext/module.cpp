@@ -100,7 +100,7 @@ std::string py_select(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::
 std::string py_gather(uintptr_t k, uintptr_t v, std::array<int64_t, 3> ks, std::array<int64_t, 3> vs, int64_t B,
                       int64_t KVH, int64_t D, uintptr_t idx, int64_t topk, uintptr_t dst, int threads, bool portable,
                       uintptr_t rows) {
-  if (!k || !v || !dst || (topk > 0 && !idx)) throw std::invalid_argument("gather: null pointer");
+  if (!v || !dst || (topk > 0 && !idx)) throw std::invalid_argument("gather: null pointer");  // k null: V alone
   if (D % 32 != 0 || D < 32 || D > 256) throw std::invalid_argument("gather: head_dim must be a multiple of 32 in [32, 256]");
   GatherArgs a;
   a.k = ptr<const uint16_t>(k);
@@ -176,7 +176,7 @@ PYBIND11_MODULE(_cpu_select, m) {
   m.def("gather", &py_gather, py::arg("k"), py::arg("v"), py::arg("k_strides"), py::arg("v_strides"), py::arg("B"),
         py::arg("KVH"), py::arg("D"), py::arg("idx"), py::arg("topk"), py::arg("dst"), py::arg("threads") = 0,
         py::arg("portable") = false, py::arg("rows") = 0,
-        "Copy selected K and V rows into dst [2][B][KVH][topk][D]. Returns the path used.");
+        "Copy selected K and V rows into dst [2][B][KVH][topk][D] (k = 0: V alone, [1][B]...). Returns the path used.");
   m.def("read_probe", &py_read_probe, py::arg("ptr"), py::arg("nbytes"), py::arg("threads") = 0,
         py::arg("portable") = false, "Read nbytes once with all threads (a bandwidth probe); returns a checksum.");
   m.def("compute_probe", [](int kind, int64_t iters, int threads) {

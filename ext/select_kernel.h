@@ -279,22 +279,23 @@ inline void probe_tile(const uint16_t* k, int64_t ks, int n, int D, const uint16
   std::memcpy(s, t.s.p, sizeof(float) * R * kTile);
 }
 
-// gather: one unit = (K or V, request, kv head, slice of 256 rows); dynamic for uneven slices.
+// gather: one unit = (K or V, request, kv head, slice of 256 rows); dynamic for uneven slices. Without k, V alone.
 inline void run_gather(const GatherArgs& a) {
   constexpr int64_t kSlice = 256, kAhead = 8;
   const int64_t slices = (a.topk + kSlice - 1) / kSlice;
-  const int64_t units = 2 * a.B * a.KVH * slices;
+  const int64_t units = (a.k ? 2 : 1) * a.B * a.KVH * slices;
   const int64_t row_bytes = a.D * 2;
   const int T = a.threads > 0 ? a.threads : omp_get_max_threads();
 #pragma omp parallel for schedule(dynamic) num_threads(T)
   for (int64_t x = 0; x < units; ++x) {
-    const int64_t sl = x % slices, bh = (x / slices) % (a.B * a.KVH), kv = x / (slices * a.B * a.KVH);
+    const int64_t sl = x % slices, bh = (x / slices) % (a.B * a.KVH), plane = x / (slices * a.B * a.KVH);
+    const int64_t kv = a.k ? plane : 1;
     const int64_t b = bh / a.KVH, h = bh % a.KVH;
     const int64_t pb = a.rows ? a.rows[b] : b;
     const uint16_t* src = kv ? a.v + pb * a.v_sb + h * a.v_sh : a.k + pb * a.k_sb + h * a.k_sh;
     const int64_t ss = kv ? a.v_ss : a.k_ss;
     const int32_t* idx = a.idx + bh * a.topk;
-    uint16_t* dst = a.dst + (kv * a.B * a.KVH + bh) * a.topk * a.D;
+    uint16_t* dst = a.dst + (plane * a.B * a.KVH + bh) * a.topk * a.D;
     const int64_t i0 = sl * kSlice, i1 = std::min(a.topk, i0 + kSlice);
     for (int64_t i = i0; i < i1; ++i) {
       if (i + kAhead < i1 && idx[i + kAhead] >= 0) gather_prefetch(src + idx[i + kAhead] * ss, a.D);

@@ -299,7 +299,7 @@ def _pool_rows(rows: torch.Tensor | Sequence[int] | None, entries: int) -> torch
 
 
 def gather(
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
     v_cache: torch.Tensor,
     topk_idx: torch.Tensor,
     *,
@@ -309,12 +309,13 @@ def gather(
     portable: bool = False,
     rows: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Copy the selected rows into out [2, B, KVH, topk, D] bf16 (K then V); -1 gives zeros.
-    out is allocated (pinned when CUDA is available, unless pin_memory says otherwise) if None.
+    """Copy the selected rows into out [2, B, KVH, topk, D] bf16 (K then V; k_cache None: [1, ...], V alone); -1
+    gives zeros. out is allocated (pinned when CUDA is available, unless pin_memory says otherwise) if None.
     rows [B] (optional): request b reads the caches' entry rows[b] (as in select)."""
-    k_cache = _check_cache("k_cache", k_cache)
-    v_cache = _check_cache("v_cache", v_cache, tuple(k_cache.shape))
-    B, KVH, S, D = k_cache.shape
+    if k_cache is not None:
+        k_cache = _check_cache("k_cache", k_cache)
+    v_cache = _check_cache("v_cache", v_cache, None if k_cache is None else tuple(k_cache.shape))
+    B, KVH, S, D = v_cache.shape
     pool_rows = _pool_rows(rows, B)
     B = B if pool_rows is None else pool_rows.numel()
     _check_head_dim(D)
@@ -328,7 +329,7 @@ def gather(
     k = topk_idx.shape[2]
     if topk_idx.numel() and int(topk_idx.max()) >= S:
         raise ValueError(f"topk_idx holds position {int(topk_idx.max())} >= S={S}")
-    shape = (2, B, KVH, k, D)
+    shape = (1 if k_cache is None else 2, B, KVH, k, D)
     if out is None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         out = torch.empty(shape, dtype=torch.bfloat16, pin_memory=pin)
@@ -337,7 +338,8 @@ def gather(
         raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {shape}")
     _check_threads(threads)
     _ext().gather(
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3], v_cache.stride()[:3],
+        0 if k_cache is None else k_cache.data_ptr(), v_cache.data_ptr(),
+        v_cache.stride()[:3] if k_cache is None else k_cache.stride()[:3], v_cache.stride()[:3],
         B, KVH, D, topk_idx.data_ptr(), k, out.data_ptr(), threads, portable,
         pool_rows.data_ptr() if pool_rows is not None else 0,
     )

@@ -401,10 +401,9 @@ class OffloadKV(SelectionStore):
         hv = self.host_v
         KVH, k, D = hv.shape[2], idx.shape[2], hv.shape[4]
         pools = (_flat(hv),) if kinds == 1 else (_flat(self.host_k), _flat(hv))
-        if self.fused:  # values alone: ext/ reads them as both K and V (its output holds both)
-            out = torch.empty(2, entries.numel(), KVH, k, D, dtype=hv.dtype, pin_memory=hv.is_pinned())
-            cpu_select.gather(pools[0], pools[-1], idx, out=out, rows=entries, threads=threads)
-            out = out[2 - kinds :]
+        if self.fused:
+            out = torch.empty(kinds, entries.numel(), KVH, k, D, dtype=hv.dtype, pin_memory=hv.is_pinned())
+            cpu_select.gather(None if kinds == 1 else pools[0], pools[-1], idx, out=out, rows=entries, threads=threads)
         else:
             safe = idx.clamp(min=0).long()
             at = (entries[:, None, None], torch.arange(KVH)[None, :, None], safe)

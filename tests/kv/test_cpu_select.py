@@ -209,6 +209,8 @@ def test_rows_read_pool_entries_without_a_copy(portable):
         assert torch.equal(a, b)
     staged = cs.gather(flat_k, flat_v, got.topk_idx, rows=rows, portable=portable, pin_memory=False)
     assert torch.equal(staged.view(torch.int16), gather_ref(copy_k, copy_v, want.topk_idx).view(torch.int16))
+    values = cs.gather(None, flat_v, got.topk_idx, rows=rows, portable=portable, pin_memory=False)  # V alone
+    assert values.shape[0] == 1 and torch.equal(values.view(torch.int16), staged[1:].view(torch.int16))
     _bad(ValueError, "rows must lie in", cs.select, q, flat_k, None, lengths, keep, want_output=False,
          rows=rows + L * slots)
     _bad(ValueError, "q must be", cs.select, q[:2], flat_k, None, lengths[:2], keep[:2], want_output=False, rows=rows)
