@@ -58,12 +58,23 @@ class HostContext:
     side_stream: torch.cuda.Stream | None
     state: dict = field(default_factory=dict)
     _worker: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _step_done: torch.cuda.Event | None = field(default=None, repr=False)
 
     @property
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compiledllm-host")
         return self._worker
+
+    def wait_for(self) -> torch.cuda.Event | None:
+        """What the step's host sync waits on: with the worker running host work beside the steps (CUDA), an event
+        whose wait sleeps, so the engine thread does not spin a core the worker's threads need; else None (the sync
+        spins: the lowest latency)."""
+        if self._worker is None or self.side_stream is None:
+            return None
+        if self._step_done is None:
+            self._step_done = torch.cuda.Event(blocking=True)
+        return self._step_done
 
     def close(self) -> None:
         if self._worker is not None:

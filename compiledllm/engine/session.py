@@ -198,7 +198,7 @@ class EngineSession:
         self._counts.hooks(t)
         t = time.perf_counter()
         self.stepper.run(1 + max(decoding), policy.schedule(view), st.selected)
-        report = StepReport(*st.host_view())  # the one host sync of a step
+        report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
         st.retired.zero_()
         self._counts.decode_s += time.perf_counter() - t
         self._counts.decode_steps += 1

@@ -50,7 +50,10 @@ class SlotState:
         for t in self.tensors().values():
             t[dst] = t[src]
 
-    def host_view(self) -> tuple[list[bool], list[int]]:
-        """(active, retired) per slot: the one host sync of a step."""
+    def host_view(self, done: torch.cuda.Event | None = None) -> tuple[list[bool], list[int]]:
+        """(active, retired) per slot: the one host sync of a step (first a sleeping wait on `done`, where given)."""
+        if done is not None:
+            done.record()
+            done.synchronize()
         both = torch.stack([self.active.long(), self.retired]).tolist()
         return [bool(a) for a in both[0]], both[1]

@@ -55,7 +55,8 @@ def sdar(tmp_path_factory):
 def test_hooks_run_in_step_order_with_host_work_on_the_worker(sdar, monkeypatch):
     syncs = []
     host_view = state_module.SlotState.host_view
-    monkeypatch.setattr(state_module.SlotState, "host_view", lambda st: syncs.append(1) or host_view(st))
+    monkeypatch.setattr(state_module.SlotState, "host_view",
+                        lambda st, done=None: syncs.append(done) or host_view(st, done))
     policy = {"name": "hooked", "block_size": 4, "threshold": 0.6}
     eng = Engine(sdar, EngineConfig(policy, max_new_tokens=10, batch_size=2, max_seq_len=48))
     session = eng.session(2, 48)
@@ -66,6 +67,7 @@ def test_hooks_run_in_step_order_with_host_work_on_the_worker(sdar, monkeypatch)
         session.step()
         steps += 1
     calls = session.host.state["calls"]
+    assert session.host.wait_for() is None and not any(syncs)  # the CPU: no event to sleep on
     session.close()
     befores = [c for c in calls if c[0] == "before"]
     afters = [c for c in calls if c[0] == "after"]
@@ -80,3 +82,22 @@ def test_hooks_run_in_step_order_with_host_work_on_the_worker(sdar, monkeypatch)
                                      max_seq_len=48)).generate([[5, 6, 7, 8, 9], [10, 11]])
     other = Engine(sdar, EngineConfig(policy, max_new_tokens=10, batch_size=2, max_seq_len=48))
     assert [r.output_ids for r in other.generate([[5, 6, 7, 8, 9], [10, 11]])] == [r.output_ids for r in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_with_the_worker_busy_the_step_sync_sleeps_on_the_gpu(tmp_path, monkeypatch):
+    """Once the worker runs host work beside the steps, each step's sync first waits on a blocking event (the engine
+    thread sleeps instead of spinning a core the worker needs): the same tokens as threshold."""
+    syncs = []
+    host_view = state_module.SlotState.host_view
+    monkeypatch.setattr(state_module.SlotState, "host_view",
+                        lambda st, done=None: syncs.append(done) or host_view(st, done))
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "sdar", 17), device="cuda")
+    policy = {"name": "hooked", "block_size": 4, "threshold": 0.6}
+    ps = [[5, 6, 7, 8, 9], [10, 11]]
+    got = Engine(model, EngineConfig(policy, max_new_tokens=10, batch_size=2, max_seq_len=48)).generate(ps)
+    assert syncs and all(isinstance(e, torch.cuda.Event) for e in syncs[1:])  # the worker exists after step 1
+    want = Engine(model, EngineConfig(policy | {"name": "threshold"}, max_new_tokens=10, batch_size=2,
+                                      max_seq_len=48)).generate(ps)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
