@@ -74,9 +74,9 @@ def fused_qkv_rope_write(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, si
     xf = x.reshape(T, K)
     if xf.stride(1) != 1:
         xf = xf.contiguous()
-    q = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-    k = torch.empty(T, KVH, D, dtype=x.dtype, device=x.device)
-    v = torch.empty(T, KVH, D, dtype=x.dtype, device=x.device)
+    q = torch.empty(B, L, H, D, dtype=x.dtype, device=x.device)  # contiguous: token t's head h at (t * H + h) * D
+    k = torch.empty(B, L, KVH, D, dtype=x.dtype, device=x.device)
+    v = torch.empty(B, L, KVH, D, dtype=x.dtype, device=x.device)
     write = rows is not None
     rows_ = rows.reshape(T).contiguous() if write else q  # any pointer when nothing is written
     kp, vp = (k_pool, v_pool) if write else (k, v)
@@ -87,7 +87,7 @@ def fused_qkv_rope_write(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, si
         xf, w, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(), q, k, v, kp, vp, rows_,
         T, K, xf.stride(0), w.stride(0), H=H, KVH=KVH, D=D, WRITE=write, IEEE=x.dtype == torch.float32,
         BLOCK_M=BM, BLOCK_K=BK)
-    return q.view(B, L, H, D), k.view(B, L, KVH, D), v.view(B, L, KVH, D)
+    return q, k, v  # (not views: a custom op's outputs are fresh tensors)
 
 
 if triton is not None:
