@@ -44,14 +44,14 @@ class HostLayer:
 
         kv, view = self.view.kv, self.view
         B, Q, H, D = q.shape
-        rows = slice(kv.first, kv.first + B)
-        hk, hv = kv.host_k[self.j][rows], kv.host_v[self.j][rows]
+        rows = kv.host_rows(torch.arange(B))  # the view's rows in the host pools
+        hk, hv = kv.host_k[self.j], kv.host_v[self.j]
         qc = q.transpose(1, 2).cpu()
-        if kv.fused:
-            r = cpu_select.select(qc, hk, hv, view.lengths, view.keep, rank_lengths=view.rank)
+        if kv.fused:  # ext/ reads the rows in place
+            r = cpu_select.select(qc, hk, hv, view.lengths, view.keep, rank_lengths=view.rank, rows=rows)
             out_c, lse_c, chosen = r.out, r.lse, r.topk_idx
         else:
-            out_c, lse_c, chosen = host_attention(qc, hk, hv, view.lengths, view.keep, view.rank)
+            out_c, lse_c, chosen = host_attention(qc, hk[rows], hv[rows], view.lengths, view.keep, view.rank)
         view.chosen[self.j] = chosen
         empty = k_win.new_zeros(B, 0, *k_win.shape[2:])
         none = torch.zeros(B, dtype=torch.long, device=q.device)

@@ -80,7 +80,8 @@ class OffloadSize:
 
 class _Shared:
     """The host-side state every view of the store shares: which scratch cache each slot holds (the device copy `of`
-    [slots] is what captured steps read), the prefix copies to the host pool in flight, and the block copies whose
+    [slots] is what captured steps read), each slot's host-pool row, the prefix copies to the host pool in flight,
+    and the block copies whose
     device-to-host transfer is issued but not yet written into the pool (`writes`: whichever thread reads the pool
     next writes them, under `lock`)."""
 
@@ -89,6 +90,8 @@ class _Shared:
         self.held: list[int | None] = [None] * slots
         self.of = torch.zeros(slots, dtype=torch.long, device=device)
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
+        # slot -> its row of the host pools: a slot move swaps two entries instead of copying a row's whole prefix
+        self.host_row = list(range(slots))
         self.writes: list[Callable[[], None]] = []
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}  # the engine thread's time in the store's host-side methods (`_timed`)
@@ -294,14 +297,14 @@ class OffloadKV(SelectionStore):
         and `retrieve` wait for it)."""
         cap = self.capacity
         for s, p in zip(slots, prefix):
-            base = self.shared.held[s] * (cap + 1)
+            base, r = self.shared.held[s] * (cap + 1), self.shared.host_row[s]
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for t, host in self._host_pairs():
                     for j in range(host.shape[0]):
                         for h in range(host.shape[2]):  # contiguous host rows: the copy stays asynchronous
-                            host[j, s, h, :p].copy_(t[j, base : base + p, h], non_blocking=stream is not None)
+                            host[j, r, h, :p].copy_(t[j, base : base + p, h], non_blocking=stream is not None)
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
@@ -315,11 +318,11 @@ class OffloadKV(SelectionStore):
         self._wait_prefix(slots)
         cap = self.capacity
         for s, p in zip(slots, prefix):
-            base = self.shared.held[s] * (cap + 1)
+            base, r = self.shared.held[s] * (cap + 1), self.shared.host_row[s]
             for t, host in self._host_pairs():
                 for j in range(host.shape[0]):
                     for h in range(host.shape[2]):  # contiguous host rows: the copy stays asynchronous
-                        t[j, base : base + p, h].copy_(host[j, s, h, :p], non_blocking=True)
+                        t[j, base : base + p, h].copy_(host[j, r, h, :p], non_blocking=True)
 
     @_timed
     def offload_block(self, slots: list[int], block: list[int]) -> None:
@@ -341,13 +344,14 @@ class OffloadKV(SelectionStore):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         ends = [min(start + B, self.capacity) for start in block]
+        rows = [self.shared.host_row[s] for s in slots]  # (a move flushes the writes before it swaps rows)
 
         def write() -> None:
             if event is not None:
                 event.synchronize()
             for (_, host), x in zip(pairs, out):
-                for i, (s, start, end) in enumerate(zip(slots, block, ends)):
-                    host[:, s, :, start:end] = x[:, i, : end - start].transpose(1, 2)
+                for i, (r, start, end) in enumerate(zip(rows, block, ends)):
+                    host[:, r, :, start:end] = x[:, i, : end - start].transpose(1, 2)
 
         with self.shared.lock:
             self.shared.writes.append(write)
@@ -383,17 +387,22 @@ class OffloadKV(SelectionStore):
                                        end.repeat(L), keep.repeat(L), rank_lengths=prefix.repeat(L), rows=entries,
                                        want_output=False, want_lse=False, threads=threads).topk_idx
         else:
-            chosen = torch.cat([host_attention(q[rows, j][:, :, None], self.host_k[j, self.first + rows], None, end,
-                                               keep, prefix)[2] for j in range(L)])
+            hosts = self.host_rows(rows)
+            chosen = torch.cat([host_attention(q[rows, j][:, :, None], self.host_k[j, hosts], None, end, keep,
+                                               prefix)[2] for j in range(L)])
         t = self.shared.count("select", t)
         out = Scanned(self.first, rows.tolist(), keep, self._gather(entries, chosen, 2, threads))
         self.shared.count("gather", t)
         return out
 
+    def host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[m] the host-pool rows of the view's rows [m]."""
+        return torch.tensor([self.shared.host_row[self.first + int(b)] for b in rows], dtype=torch.long)
+
     def _entries(self, rows: torch.Tensor) -> torch.Tensor:
         """[L * m] the stacked host pools' entries (layer-major) of the view's rows [m]."""
         slots = self.host_v.shape[1]
-        return (torch.arange(len(self.selecting_layers))[:, None] * slots + (self.first + rows)[None]).reshape(-1)
+        return (torch.arange(len(self.selecting_layers))[:, None] * slots + self.host_rows(rows)[None]).reshape(-1)
 
     def _gather(self, entries: torch.Tensor, idx: torch.Tensor, kinds: int, threads: int) -> torch.Tensor:
         """The host pools' rows idx [L * m, KVH, k] (int32, -1: none) of `entries` into staging [kinds, L, m, KVH,
@@ -513,15 +522,13 @@ class OffloadKV(SelectionStore):
                 t[:, b._region_base(reg)[:, None] + j] = t[:, a._region_base(reg)[:, None] + j]
             t[:, b._block_base()[0] : b._block_base()[0] + s.block + 1] = \
                 t[:, a._block_base()[0] : a._block_base()[0] + s.block + 1]
-        self._wait_prefix([src])  # src's prefix copy into the pool, if still in flight
-        for _, host in self._host_pairs():
-            host[:, dst, :, :length] = host[:, src, :, :length]
+        lend = self.shared
+        lend.host_row[dst], lend.host_row[src] = lend.host_row[src], lend.host_row[dst]  # src's pool row, not a copy
         if self.kfull is not None:
             cap = s.capacity + 1
             self.kfull[:, dst * cap : dst * cap + length] = self.kfull[:, src * cap : src * cap + length]
         if self.next_pos is not None:
             self.next_pos[:, dst] = self.next_pos[:, src]
-        lend = self.shared
         if lend.held[dst] is not None:
             self.release(dst)
         lend.held[dst], lend.held[src] = lend.held[src], None

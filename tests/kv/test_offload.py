@@ -1,6 +1,6 @@
 """kv/offload.py's block copies to the host pool: issued at once, written into the pool by its next reader (the scan on
 the host worker, a slot move, the retrieval forward's CPU attention), so the engine thread never waits for them; a
-scan stages (and a placement copies to the device) the rows it scanned only."""
+slot move swaps host-pool rows; a scan stages (and a placement copies to the device) the rows it scanned only."""
 from __future__ import annotations
 
 import torch
@@ -47,9 +47,10 @@ def test_a_move_and_a_scan_see_the_blocks_issued_before_them():
     kv = store()
     fill_block_buffers(kv)
     kv.offload_block([2], [0])
-    kv.move(2, 0, B)  # the block written before slot 2's pool rows are copied
+    kv.move(2, 0, B)  # the block written before slot 2's pool row passes to slot 0 (a swap of rows, no copy)
+    assert kv.shared.host_row[0] == 2 and kv.shared.host_row[2] == 0
     for j, layer in enumerate(kv.selecting_layers):
-        assert torch.equal(kv.host_v[j][0, :, :B], block_of(kv, kv.v[layer], 2, 0))
+        assert torch.equal(kv.host_v[j][kv.shared.host_row[0], :, :B], block_of(kv, kv.v[layer], 2, 0))
     kv.offload_block([1], [0])
     q = torch.randn(2, len(kv.selecting_layers), 2, 4)
     scanned = kv.scan([1], q, torch.tensor([0, 4]), torch.tensor([0, 4]), torch.tensor([0, 4]))

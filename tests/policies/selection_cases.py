@@ -30,8 +30,8 @@ def model(ckpt):
 
 
 def run(model, policy, batch, ps, new=12, **kw):
-    cfg = EngineConfig(policy, max_new_tokens=new, batch_size=batch, max_seq_len=32, prefill_chunk=8, ignore_eos=True,
-                       **kw)
+    cfg = EngineConfig(policy, max_new_tokens=new, batch_size=batch, prefill_chunk=8, ignore_eos=True,
+                       **{"max_seq_len": 32} | kw)
     return Engine(model, cfg).generate(ps)
 
 

@@ -254,6 +254,34 @@ def test_a_later_draft_step_prepares_the_same_selections(model, form):
         assert out == first and fewer < drafts
 
 
+@pytest.mark.parametrize("form", [HOST, {"pool": "host"}, DEVICE_KEYS], ids=["scan", "forward", "device-keys"])
+def test_a_row_moved_down_keeps_its_host_pool_row(model, form):
+    """Rows 0 and 1 finish first; row 2 moves down to slot 0 (a swap of host-pool rows, not a copy) and goes on
+    retrieving for several blocks from the row it wrote: its tokens are those of the request alone."""
+    from compiledllm.engine import Engine, EngineConfig
+    from compiledllm.engine.request import RequestParams
+    from compiledllm.kv import offload
+
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(2, model.config.vocab_size - 2, (n,), generator=g).tolist() for n in (6, 9, 5)]
+    params = [RequestParams(max_new_tokens=n) for n in (4, 4, 40)]
+    policy = DENSE | FIXED | {"name": "herald", "budget": 0.3, "scratch": 2} | form
+
+    def go(batch, ps, params):
+        cfg = EngineConfig(policy, max_new_tokens=40, batch_size=batch, max_seq_len=64, prefill_chunk=8,
+                           ignore_eos=True)
+        return [r.output_ids for r in Engine(model, cfg).generate(ps, params=params)]
+
+    moves, real = [], offload.OffloadKV.move
+    offload.OffloadKV.move = lambda self, *a: moves.append(a) or real(self, *a)
+    try:
+        batched = go(3, ps, params)
+    finally:
+        offload.OffloadKV.move = real
+    assert (2, 0) in [m[:2] for m in moves]
+    assert batched[2] == go(1, ps[2:], params[2:])[0]
+
+
 def test_host_pool_reports_where_the_engine_threads_host_time_goes(model):
     """bench's policy_stats for the host pool: draft forwards, scans, their CPU seconds and the stall, the boundary and
     draft hooks' seconds, and the seconds in each of the store's host-side methods."""
