@@ -22,8 +22,8 @@ class Forward:
 
     tokens / positions [B, Q] long: any positions (RoPE uses them), not only one contiguous block.
     attention: what the queries see (mask rule, KV source, statistics).
-    kv_write [B, Q] long: the cache position each query's K/V is written at after the attention read it; -1 = not
-        written (None: the forward writes nothing).
+    kv_write [B, Q] long: the cache position each query's K/V is written at after the attention read it (before,
+        with fused_cache); -1 = not written (None: the forward writes nothing).
     logits_at [B, K] long: the query indices whose logits are returned (None: all Q), logits_rows [B, K] bool:
         those the policy reads (the head may skip the others; None: all).
     """
