@@ -234,7 +234,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # herald_keys (variant 5c: every key on the device, scanned there; only the values in the host pool), herald_keysw
   # (herald_keys with draft_wait DRAFT_WAIT: rows out of step draft in one forward), herald_fetch (MAGE-Offload's second
   # form: each block's prefix fetched from the host pool for MAGE's selection), herald_host8 (herald_host with 8 scratch
-  # caches for admission instead of 4; herald_host8t12: on 12 host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE)
+  # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE)
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     sets="--set policy.name=${p%%_*}"
     [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
@@ -245,7 +245,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
     [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
     [[ $p = herald_host8* ]] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
-    [ $p = herald_host8t12 ] && sets="$sets --set policy.host_threads=12"
+    [[ $p =~ ^herald_host8t([0-9]+)$ ]] && sets="$sets --set policy.host_threads=${BASH_REMATCH[1]}"
     envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
     [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
     [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
