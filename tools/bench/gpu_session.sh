@@ -223,7 +223,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1 \
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
   [ "${HERALD_TESTS:-1}" = 1 ] && timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py \
-    tests/policies/test_herald.py -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
+    tests/policies/test_herald.py tests/engine/test_hooks.py -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do  # the same call's ceilings: HBM, PCIe, DRAM, ext/
     [ "${HERALD_CEILINGS:-1}" = 1 ] && timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx \
       --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -4
