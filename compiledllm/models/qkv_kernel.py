@@ -82,11 +82,11 @@ def fused_qkv_rope_write(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, si
     kp, vp = (k_pool, v_pool) if write else (k, v)
     BM = block_m or (16 if T <= 16 else 32 if T <= 256 else 64)
     BK = 64 if K % 64 == 0 or K > 64 else max(16, triton.next_power_of_2(K))
-    grid = (triton.cdiv(T, BM), H + 2 * KVH)
+    grid = (triton.cdiv(T, BM) * (H + 2 * KVH),)
     _qkv_rope_write[grid](
         xf, w, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(), q, k, v, kp, vp, rows_,
         T, K, xf.stride(0), w.stride(0), H=H, KVH=KVH, D=D, WRITE=write, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BM, BLOCK_K=BK)
+        BLOCK_M=BM, BLOCK_K=BK, GROUP_M=8)
     return q, k, v  # (not views: a custom op's outputs are fresh tensors)
 
 
@@ -95,10 +95,18 @@ if triton is not None:
     def _qkv_rope_write(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, rows_ptr,
                         T, K, stride_x, stride_w,
                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, WRITE: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         HALF: tl.constexpr = D // 2
-        pid_m = tl.program_id(0)
-        head = tl.program_id(1)  # q heads [0, H), then k heads, then v heads
+        HEADS: tl.constexpr = H + 2 * KVH  # q heads [0, H), then k heads, then v heads
+        # programs in groups of GROUP_M token tiles x every head, token tile fastest: the programs running at once
+        # share a band of x and a few heads' weights in L2 (a whole token range per head would re-read x per head)
+        pid = tl.program_id(0)
+        tiles = tl.cdiv(T, BLOCK_M)
+        group = pid // (GROUP_M * HEADS)
+        first = group * GROUP_M
+        size = tl.minimum(tiles - first, GROUP_M)
+        pid_m = first + (pid % (GROUP_M * HEADS)) % size
+        head = (pid % (GROUP_M * HEADS)) // size
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_h = tl.arange(0, HALF)
         offs_k = tl.arange(0, BLOCK_K)

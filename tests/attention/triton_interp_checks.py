@@ -288,7 +288,8 @@ def qkv() -> None:
     for B, L, K, H, KVH, D, dtype, bm in [(2, 19, 96, 4, 2, 32, torch.float32, None),
                                           (1, 70, 128, 2, 2, 64, torch.float32, 32),
                                           (3, 5, 64, 4, 1, 64, torch.float16, None),
-                                          (2, 40, 192, 2, 1, 128, torch.float16, 16)]:
+                                          (2, 40, 192, 2, 1, 128, torch.float16, 16),
+                                          (2, 150, 64, 2, 1, 32, torch.float32, 16)]:  # 19 token tiles: 3 groups
         cap = 2 * L
         x = torch.randn(B, L, K, generator=g).to(dtype)
         w = (torch.randn((H + 2 * KVH) * D, K, generator=g) * K ** -0.5).to(dtype)
