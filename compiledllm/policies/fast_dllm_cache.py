@@ -53,43 +53,52 @@ class FastDLLMCacheConfig(PolicyConfig):
         check_probability("threshold", self.threshold)
 
 
-class FastDLLMCachePolicy(Policy):
-    name = "fast_dllm_cache"
-    config: FastDLLMCacheConfig
+class RefreshCachePolicy(Policy):
+    """What the approximate caches of a bidirectional model share (Fast-dLLM's here, Flash-dLLM's flash_dllm.py): a
+    "refresh" forward of a row's whole working sequence writes every position's KV (so nothing is prefilled), then
+    "decode" forwards read it; blocks start where the prompt ends. `cache` names the cache in the refusal of a
+    block-causal model."""
+
     phases = ("refresh", "decode")
     row_phases = ("refresh",)
+    prefills = False
+    cache = ""
 
     def __init__(self, config, mask_id, bidirectional=False):
         if not bidirectional:
-            raise UserError("policy fast_dllm_cache: Fast-dLLM's prefix cache of a bidirectional model (LLaDA); a "
-                            "block-causal model's own KV cache is exact: use threshold")
+            raise UserError(f"policy {self.name}: {self.cache} of a bidirectional model (LLaDA); a block-causal "
+                            "model's own KV cache is exact: use threshold")
         super().__init__(config, mask_id, bidirectional)
 
-    # --- where KV lives ------------------------------------------------------------------------------------------
     @property
     def caches_kv(self) -> bool:
-        return True  # the refresh's KV of the prefix, read by the block's decode forwards
+        return True  # the refresh's KV, read by the decode forwards
 
+    def first_block(self, prompt_len: int) -> int:
+        return prompt_len
+
+    def acting(self, phase: str, st) -> torch.Tensor:
+        """[B] bool: the rows this phase forwards for (refresh: stale rows; every other phase: fresh ones)."""
+        fresh = st.policy["fresh"] > 0
+        return st.active & (~fresh if phase == "refresh" else fresh)
+
+
+class FastDLLMCachePolicy(RefreshCachePolicy):
+    name = "fast_dllm_cache"
+    cache = "Fast-dLLM's prefix cache"
+    config: FastDLLMCacheConfig
+
+    # --- where KV lives ------------------------------------------------------------------------------------------
     def kv_layout(self, model, slots: int, capacity: int):
         if not self.config.dual:
             return super().kv_layout(model, slots, capacity)
         return PooledLayout.for_model(model, slots, capacity)
-
-    prefills = False  # the refresh forward writes every position: nothing to prefill
-
-    def first_block(self, prompt_len: int) -> int:
-        return prompt_len  # Fast-dLLM's blocks start where the prompt ends
 
     def init_state(self, batch, device):
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return {"fresh": zeros(), "nfe": zeros()}
 
     # --- the step ------------------------------------------------------------------------------------------------
-    def acting(self, phase: str, st) -> torch.Tensor:
-        """[B] bool: the rows this phase forwards for (refresh: stale rows, decode: fresh ones)."""
-        fresh = st.policy["fresh"] > 0
-        return st.active & (fresh if phase == "decode" else ~fresh)
-
     def block(self, st) -> tuple[torch.Tensor, torch.Tensor]:
         """(idx, tokens) [B, Bk]: the block's positions and tokens."""
         T = st.seq.shape[1]

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
-from compiledllm.errors import UserError
 from compiledllm.kv.pooled import PooledLayout, pool_index
-from compiledllm.policies.base import Policy, PolicyConfig, check_probability
+from compiledllm.policies.base import PolicyConfig, check_probability
+from compiledllm.policies.fast_dllm_cache import RefreshCachePolicy
 from compiledllm.policies.flash_verify import FlashVerify, VerifySettings, marks
 from compiledllm.policies.peer_rules import select
 from compiledllm.policies.plan import Forward, Update, route_groups
@@ -63,33 +63,20 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
         self.check_verify()
 
 
-class FlashDLLMPolicy(FlashVerify, Policy):
+class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
     name = "flash_dllm"
+    cache = "Flash-dLLM's cache"
     config: FlashDLLMConfig
-    phases = ("refresh", "decode")
-    row_phases = ("refresh",)
 
     def __init__(self, config, mask_id, bidirectional=False):
-        if not bidirectional:
-            raise UserError("policy flash_dllm: Flash-dLLM's cache of a bidirectional model (LLaDA); a block-causal "
-                            "model's own KV cache is exact: use threshold")
         super().__init__(config, mask_id, bidirectional)
         if config.verify:
             self.phases = ("refresh", "decode", "verify")
 
     # --- where KV lives ------------------------------------------------------------------------------------------
-    @property
-    def caches_kv(self) -> bool:
-        return True
-
     def kv_layout(self, model, slots: int, capacity: int):
         self.layers = model.config.num_layers
         return PooledLayout.for_model(model, slots, capacity)
-
-    prefills = False  # the refresh forward writes every position
-
-    def first_block(self, prompt_len: int) -> int:
-        return prompt_len
 
     def queries(self, capacity: int) -> int:
         """Q: the decode forward's query slots (block, previous step's tokens, window ahead, tracked)."""
@@ -113,10 +100,6 @@ class FlashDLLMPolicy(FlashVerify, Policy):
                 "new": torch.zeros(batch, capacity, dtype=torch.bool, device=device)}
 
     # --- the step ------------------------------------------------------------------------------------------------
-    def acting(self, phase: str, st) -> torch.Tensor:
-        fresh = st.policy["fresh"] > 0
-        return st.active & (~fresh if phase == "refresh" else fresh)
-
     def block(self, st) -> torch.Tensor:
         T = st.seq.shape[1]
         return (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
