@@ -20,7 +20,8 @@ steps change reaches it only at the next refresh, as in Fast-dLLM); the block (a
 recomputed every step.
 
 Transfer rule (Fast-dLLM's): the most confident masked position of the block always, plus every masked block
-position with p >= tau. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
+position with p >= tau; with `steps` its fixed-step mode instead (threshold not used): exactly the schedule's count
+of most confident ones (block // steps, one more in the first block % steps steps), as `threshold` with `steps`. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
 forward only to look at the finished block), in either phase.
 
 A step is [PhaseRun("refresh", the rows that begin a block), "decode"]: the refresh runs on the rows that need it
@@ -39,18 +40,20 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional
 from compiledllm.errors import UserError
 from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
-from compiledllm.policies.peer_rules import select
+from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
 
 
 @dataclass(frozen=True)
 class FastDLLMCacheConfig(PolicyConfig):
     threshold: float = 0.9
+    steps: int | None = None  # Fast-dLLM's fixed-step mode: a fixed count a step (module docstring)
     dual: bool = False  # the suffix's KV cached too (Fast-dLLM's dual cache); else recomputed (its prefix cache)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
+        check_steps(self.steps, self.block_size)
 
 
 class RefreshCachePolicy(Policy):
@@ -81,6 +84,17 @@ class RefreshCachePolicy(Policy):
         """[B] bool: the rows this phase forwards for (refresh: stale rows; every other phase: fresh ones)."""
         fresh = st.policy["fresh"] > 0
         return st.active & (~fresh if phase == "refresh" else fresh)
+
+    def transfer(self, p, masked, idx, st) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accept [B, Bk], left [B]): Fast-dLLM's rule on the block's confidences, or its fixed-step count."""
+        left = masked.sum(1)
+        steps = self.config.steps
+        if steps is None:
+            return select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
+                          False), left
+        decoded = ((idx >= st.prompt_len[:, None]) & (idx < st.work_len[:, None])).sum(1) - left
+        return select("fast_dllm", p, masked, torch.minimum(fixed_count(steps, self.block_size, decoded), left),
+                      self.config.threshold, True), left
 
 
 class FastDLLMCachePolicy(RefreshCachePolicy):
@@ -143,9 +157,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         idx, tokens, masked = self.masked(phase, st)
         nfe = st.policy["nfe"]
         v, p = self.choose(logits, masked, self.noise_keys(st, idx, nfe))
-        left = masked.sum(1)
-        accept = select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
-                        False)
+        accept, left = self.transfer(p, masked, idx, st)
         done = act & (accept.sum(1) == left)  # no MASK left in the block after this update: it retires now
         fresh = torch.where(act, (~done).long(), st.policy["fresh"])
         return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(),

@@ -11,7 +11,7 @@ of blocks after it. Per request:
   attending to the set itself and to the cache everywhere else (a KV source read through an index, with holes at
   the set's positions). The set, at most 2B + `ahead` + `track` positions, padding hidden:
   - the current block (B positions; its masked ones are the ones decoded, Fast-dLLM's rule: the most confident
-    always, plus every one with p >= threshold);
+    always, plus every one with p >= threshold; with `steps` its fixed-step count instead);
   - the positions decoded in the previous step outside the block (a block that just retired: its last tokens);
   - the next `ahead` masked positions after the block (refreshed, not decoded: Elastic-Cache's sliding window);
   - the `track` decoded positions (prompt included) outside those that the masked queries of the block and the
@@ -39,7 +39,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import PolicyConfig, check_probability
 from compiledllm.policies.fast_dllm_cache import RefreshCachePolicy
 from compiledllm.policies.flash_verify import FlashVerify, VerifySettings, marks
-from compiledllm.policies.peer_rules import select
+from compiledllm.policies.peer_rules import check_steps
 from compiledllm.policies.plan import Forward, Update, route_groups
 
 TRACK_FROM_LAYER = 2  # the tracker counts the layers past the first two
@@ -48,6 +48,7 @@ TRACK_FROM_LAYER = 2  # the tracker counts the layers past the first two
 @dataclass(frozen=True)
 class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (policies/flash_verify.py)
     threshold: float = 0.9
+    steps: int | None = None  # Fast-dLLM's fixed-step mode, a fixed count a step (policies/fast_dllm_cache.py)
     track: int = 64   # decoded positions of largest attention mass recomputed each step
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
     # Flash-Cache's fused kernel: the projection writes the K/V itself (models/qkv_kernel.py; Triton on CUDA for
@@ -57,6 +58,7 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
+        check_steps(self.steps, self.block_size)
         for key in ("track", "ahead"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
@@ -194,9 +196,7 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
         masked = (tokens == self.mask_id) & (idx >= st.prompt_len[:, None]) & act[:, None]
         nfe = st.policy["nfe"]
         v, p = self.choose(logits, masked, self.noise_keys(st, idx, nfe))
-        left = masked.sum(1)
-        accept = select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
-                        False)
+        accept, left = self.transfer(p, masked, idx, st)
         done = act & (accept.sum(1) == left)
         stats = st.policy["stats"]
         mass = torch.zeros(B, T + 1, device=stats.device)

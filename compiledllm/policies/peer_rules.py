@@ -56,6 +56,19 @@ def check_rule(rule: str) -> None:
         raise ValueError(f"rule: must be one of {', '.join(RULES)}, got {rule!r}")
 
 
+def check_steps(steps: int | None, block_size: int | None) -> None:
+    if steps is not None and not 1 <= steps <= (block_size or steps):
+        raise ValueError(f"steps: must be within [1, block_size={block_size}], got {steps}")
+
+
+def fixed_count(steps: int, block: int, decoded: torch.Tensor) -> torch.Tensor:
+    """[B] this step's count of the `steps` schedule (block // steps, one more in the first block % steps steps)
+    from the count already decoded in the block, for policies that keep no step counter: after s steps of exact
+    counts `decoded` is s * base + min(s, extra), below extra * (base + 1) exactly while s < extra."""
+    base, extra = divmod(block, steps)
+    return base + (decoded < extra * (base + 1)).long()
+
+
 def select(rule: str, p: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, tau: float | torch.Tensor,
            fixed: bool) -> torch.Tensor:
     """[B, L] bool: the masked positions a step fills. p [B, L] confidences, k [B]: this step's count, already capped

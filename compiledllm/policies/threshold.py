@@ -33,7 +33,7 @@ from compiledllm.attention.spec import AttentionSpec, QueryGroups
 from compiledllm.errors import UserError
 from compiledllm.policies.base import BlockPolicy, PolicyConfig, State, check_probability
 from compiledllm.policies.flash_verify import BlockVerify, VerifySettings
-from compiledllm.policies.peer_rules import SDAR_RULES, Rule, check_rule, sdar_confidence, select
+from compiledllm.policies.peer_rules import SDAR_RULES, Rule, check_rule, check_steps, sdar_confidence, select
 from compiledllm.policies.plan import Forward, route_groups
 
 
@@ -47,8 +47,7 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("threshold", self.threshold)
-        if self.steps is not None and not 1 <= self.steps <= (self.block_size or self.steps):
-            raise ValueError(f"steps: must be within [1, block_size={self.block_size}], got {self.steps}")
+        check_steps(self.steps, self.block_size)
         check_rule(self.rule)
         self.check_verify()
         if self.verify and self.commit == "fused":

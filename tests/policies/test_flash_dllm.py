@@ -51,6 +51,18 @@ def test_every_position_recomputed_is_the_no_cache_decode(model, tau, batch):
     assert all(r.extra["nfe"] > 0 for r in got)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fixed_steps_recomputing_every_position_are_the_no_cache_fixed_steps(model, steps):
+    """With `steps` (Fast-dLLM's fixed-step mode, threshold unused) and every position recomputed: threshold's rule
+    fast_dllm with the same `steps`, token for token, and a block of 4 costs `steps` forwards."""
+    ps = prompts([5, 9, 3], seed=5)
+    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": 0.0, "steps": steps}
+    want = [r.output_ids for r in run(model, nocache, ps, 2)]
+    got = run(model, flash(0.0, CAPACITY, CAPACITY) | {"steps": steps}, ps, 2)
+    assert [r.output_ids for r in got] == want
+    assert [r.extra["nfe"] for r in got] == [16 // BLOCK * steps] * 3
+
+
 @pytest.mark.parametrize("ahead,track", [(2, 3), (0, 0), (8, 1)])
 def test_small_sets_are_approximate_and_batch_invariant(model, ahead, track):
     ps = prompts([5, 9, 3, 12, 7], seed=3)

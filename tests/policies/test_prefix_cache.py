@@ -73,9 +73,10 @@ class CachedLLaDA(OracleModel):
 
 
 def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int, tau: float, eos: int,
-                         dual: bool = False) -> tuple[list[int], dict]:
+                         dual: bool = False, steps: int | None = None) -> tuple[list[int], dict]:
     """Fast-dLLM's generate_with_prefix_cache (dual: generate_with_dual_cache) as compiledllm/policies/
-    fast_dllm_cache.py describes it, one prompt, stopping after the block that holds the first EOS. stats: nfe
+    fast_dllm_cache.py describes it, one prompt, stopping after the block that holds the first EOS; with `steps` its
+    fixed-step mode (step i of a block fills the counts[i] most confident, tau unused). stats: nfe
     (forwards), refreshed (blocks their refresh completed, the row going on: the engine's `steps` counts the idle
     decode phase of that step), margin (the closest decision)."""
     P = len(prompt)
@@ -83,13 +84,21 @@ def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int,
     x = list(prompt) + [MASK_ID] * (W - P)
     stats = {"nfe": 0, "refreshed": 0, "accepted": [], "margin": math.inf}
 
-    def transfer(logits: torch.Tensor, s: int) -> None:  # logits [Bk, V] of positions s .. s + Bk - 1
+    counts = [block // steps + (i < block % steps) for i in range(steps)] if steps else []
+
+    def transfer(logits: torch.Tensor, s: int, i: int) -> None:  # logits [Bk, V] of positions s .. s + Bk - 1
         v, p, gap = confidence(logits, MASK_ID)
         v, p, gap = v.tolist(), p.tolist(), gap.tolist()
         masked = [j for j in range(block) if x[s + j] == MASK_ID]
-        best = max(masked, key=lambda j: (p[j], -j))
-        acc = {best} | {j for j in masked if p[j] >= tau}
-        m = [abs(p[j] - tau) for j in masked if j != best] + [p[best] - p[j] for j in masked if j != best]
+        ranked = sorted(masked, key=lambda j: (-p[j], j))
+        if steps:  # exactly this step's count of the most confident; the margin: the last taken vs the first left
+            k = min(counts[i], len(masked))
+            acc = set(ranked[:k])
+            m = [p[ranked[k - 1]] - p[ranked[k]]] if k < len(ranked) else []
+        else:
+            best = ranked[0]
+            acc = {best} | {j for j in masked if p[j] >= tau}
+            m = [abs(p[j] - tau) for j in masked if j != best] + [p[best] - p[j] for j in masked if j != best]
         stats["margin"] = min([stats["margin"], *m, *(gap[j] for j in acc)])
         stats["accepted"].append(len(acc))
         for j in acc:
@@ -98,8 +107,8 @@ def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int,
     for s in range(P, W, block):
         logits, kv = lm.forward(x)  # refresh: the whole sequence, every position's K/V
         stats["nfe"] += 1
-        transfer(logits[s : s + block], s)
-        e = s + block
+        transfer(logits[s : s + block], s, 0)
+        i, e = 1, s + block
         # the cached prefix [0, s), with `dual` also the cached suffix [e, W) (key order does not change attention)
         past = [(torch.cat([k[:, :, :s], k[:, :, e:]], 2), torch.cat([v[:, :, :s], v[:, :, e:]], 2)) if dual
                 else (k[:, :, :s], v[:, :, :s]) for k, v in kv]
@@ -107,7 +116,8 @@ def literal_prefix_cache(lm: CachedLLaDA, prompt: list[int], block: int, n: int,
         while MASK_ID in x[s : s + block]:  # decode: x[s:] (dual: x[s:e]) against the cache
             logits, _ = lm.forward(x[s:e] if dual else x[s:], s, past)
             stats["nfe"] += 1
-            transfer(logits[:block], s)
+            transfer(logits[:block], s, i)
+            i += 1
         if eos in x[s : s + block]:
             break
         stats["refreshed"] += refreshed and s + block < W
@@ -133,8 +143,8 @@ def prompts(lengths, seed: int = 7) -> list[list[int]]:
     return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
 
 
-def policy(tau: float, name: str = "fast_dllm_cache", dual: bool = False) -> dict:
-    return {"name": name, "block_size": BLOCK, "threshold": tau, "dual": dual}
+def policy(tau: float, name: str = "fast_dllm_cache", dual: bool = False, steps: int | None = None) -> dict:
+    return {"name": name, "block_size": BLOCK, "threshold": tau, "dual": dual, "steps": steps}
 
 
 def run(model, pol: dict, ps, n: int, batch: int, **kw):
@@ -143,8 +153,8 @@ def run(model, pol: dict, ps, n: int, batch: int, **kw):
     return engine.generate(ps), engine
 
 
-def expected(literal, ps, n, tau, eos, dual: bool = False):
-    wants = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos, dual) for p in ps]
+def expected(literal, ps, n, tau, eos, dual: bool = False, steps: int | None = None):
+    wants = [literal_prefix_cache(literal, p, BLOCK, n, tau, eos, dual, steps) for p in ps]
     margin = min(st["margin"] for _, st in wants)
     if margin < NEAR_TIE:
         pytest.skip(f"numerical near-tie (margin {margin:.1e})")
@@ -182,6 +192,19 @@ def test_engine_equals_literal_prefix_cache(ckpt, literal, tau, lengths, n, dual
     accepted = [a for _, st in wants for a in st["accepted"]]
     if tau < 0.5:
         assert max(accepted) > 1 and sum(st["refreshed"] for _, st in wants) > 0, accepted
+
+
+@pytest.mark.parametrize("dual", [False, True], ids=["prefix", "dual"])
+@pytest.mark.parametrize("steps", [3, 2])
+def test_fixed_steps_equal_the_literal_and_fill_the_schedule(ckpt, literal, dual, steps):
+    """Fast-dLLM's fixed-step mode: a block of 4 in `steps` forwards (3: counts 2, 1, 1), threshold unused (0.0 would
+    accept every position), batched with admissions == the literal alone."""
+    model = compiledllm.load_model(ckpt)
+    ps, n = prompts([5, 9, 2], seed=11), 12
+    wants = expected(literal, ps, n, 0.0, eos=-1, dual=dual, steps=steps)
+    got, _ = run(model, policy(0.0, dual=dual, steps=steps), ps, n, batch=2, ignore_eos=True, buckets=(1, 2))
+    assert [r.output_ids for r in got] == [w for w, _ in wants]
+    assert [r.extra["nfe"] for r in got] == [st["nfe"] for _, st in wants] == [n // BLOCK * steps] * len(ps)
 
 
 def test_the_cache_changes_tokens(ckpt):
