@@ -20,7 +20,8 @@
 # context; HERALD_BATCHES=8,32,max probes each policy's largest batch; HERALD_BATCHES_<policy>: one policy's own, as host pools hold more rows;
 # HERALD_TESTS=0 / HERALD_CEILINGS=0: skip the GPU tests / the ceilings), heraldq (selection recall and exact match on
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
-# kernel against the separate path)
+# kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
+# Fast-dLLM's no-cache / prefix / dual and flash_dllm, + verify, + fused cache; FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -265,6 +266,26 @@ if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dL
     | tee "$OUT/flash_tests.log" | tail -6
   timeout ${QKV_TIMEOUT:-150} python3 tools/bench/bench_qkv_cache.py --out "$OUT/bench_qkv_cache_h200.json" 2>&1 \
     | grep -v -i warn | tail -8
+fi
+if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights), Fast-dLLM's fixed-step mode, every
+  # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
+  # flash_dllm, + Flash-Verify, + the fused cache kernel (FLASH_POLICIES picks)
+  for p in ${FLASH_POLICIES:-nocache prefix dual flash flashv flashf}; do
+    case $p in
+      nocache) sets="--set policy.name=threshold --set policy.rule=fast_dllm" ;;
+      prefix) sets="--set policy.name=fast_dllm_cache" ;;
+      dual) sets="--set policy.name=fast_dllm_cache --set policy.dual=true" ;;
+      flash) sets="" ;;
+      flashv) sets="--set policy.verify=true" ;;
+      flashf) sets="--set policy.fused_cache=true" ;;
+    esac
+    timeout ${FLASH_BENCH_TIMEOUT:-300} python3 -m compiledllm bench recipes/bench_llada8b.yaml --set compile=$COMPILE $sets \
+      --prompt-len ${FLASH_PROMPT:-512} --output-len ${FLASH_OUTPUTS:-256,512} --batch ${FLASH_BATCHES:-1,8,32} \
+      --out "$OUT/flash_bench_$p.json" 2>&1 | grep -v -i warn | tail -4
+  done
+  for n in $(echo ${FLASH_OUTPUTS:-256,512} | tr , ' '); do
+    python3 tools/bench/plot_bench.py "$OUT"/flash_bench_*.json --output-len $n --out "$OUT/flash_bench_$n.png" 2>&1 | tail -1
+  done
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)

@@ -20,10 +20,12 @@ def label(report: dict) -> str:
     return " ".join([report.get("policy_name", "?"), *extra])
 
 
-def points(report: dict, prompt_len: int | None) -> list[tuple[int, float]]:
+def points(report: dict, prompt_len: int | None, output_len: int | None = None) -> list[tuple[int, float]]:
     out = []
     for p in report["points"]:
         if p.get("error") or (prompt_len is not None and p.get("prompt_len") != prompt_len):
+            continue
+        if output_len is not None and p.get("output_len") != output_len:
             continue
         after = p["wall_s"] - p["prefill_s"]
         if after > 0:
@@ -35,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path)
     ap.add_argument("--prompt-len", type=int, default=None, help="only the points of this prompt length")
+    ap.add_argument("--output-len", type=int, default=None, help="only the points of this output length")
     ap.add_argument("--title", default=None)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
@@ -48,12 +51,13 @@ def main() -> None:
     for path in a.reports:
         report = json.loads(path.read_text())
         device = device or report.get("device")
-        pts = points(report, a.prompt_len)
+        pts = points(report, a.prompt_len, a.output_len)
         if pts:
             ax.plot([b for b, _ in pts], [r for _, r in pts], marker="o", label=label(report))
     ax.set_xlabel("batch (requests decoding at once)")
     ax.set_ylabel("generated tokens/s after prefill")
-    ax.set_title(a.title or f"{device or ''}, prompts of {a.prompt_len or 'every length'}")
+    outputs = f", outputs of {a.output_len}" if a.output_len else ""
+    ax.set_title(a.title or f"{device or ''}, prompts of {a.prompt_len or 'every length'}{outputs}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
