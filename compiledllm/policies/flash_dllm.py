@@ -25,8 +25,9 @@ least the capacity every position is recomputed every step in the order a no-cac
 are `threshold` (rule fast_dllm)'s without a cache.
 
 `verify: true` adds Flash-Verify's forward after each decode step (phase "verify", policies/flash_verify.py).
-`fused_cache: true` makes the projection write the K/V (Flash-Cache's fused kernel, models/qkv_kernel.py): safe in
-both phases, as the refresh reads only its own keys and a decode forward's cache has holes at the set's positions.
+`fused_cache` (on by default) makes the projection write the K/V (Flash-Cache's fused kernel, models/qkv_kernel.py):
+safe in both phases, as the refresh reads only its own keys and a decode forward's cache has holes at the set's
+positions.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
     track: int = 64   # decoded positions of largest attention mass recomputed each step
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
     # Flash-Cache's fused kernel: the projection writes the K/V itself (models/qkv_kernel.py; Triton on CUDA for
-    # LLaDA-8B-like layers, elsewhere the separate path in that order). Off until measured on the device
-    fused_cache: bool = False
+    # LLaDA-8B-like layers, elsewhere the separate path in that order). On: 8 % less decode time on an H100
+    fused_cache: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
