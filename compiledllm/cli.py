@@ -653,9 +653,15 @@ output           generated tokens/s of the whole run (start-up excluded)
 1st blk          arrival -> a request's first finished block, median (s)
 p50 p90 p99      arrival -> finish of a request (s)
 GiB              peak GPU memory (torch.cuda.max_memory_allocated; - on the CPU)
-start            compile / CUDA-graph capture before the run (s): in no other column
+start            compile / CUDA-graph capture before the run (s), in no other
+                 column"""
+MOE_LEGEND = """
 MoE exp          distinct routed experts per MoE layer (mean) in a decode
                  forward of the batch's blocks (out of each layer's experts)"""
+
+
+def has_moe(report: dict) -> bool:
+    return any(r.get("touched_experts") for r in report["points"] if "error" not in r)
 
 
 def _tps(x: float | None) -> str:
@@ -678,8 +684,9 @@ def bench_table(report: dict) -> Table:
         where += f" x {ranks} ranks (tensor {split['tensor']}, expert {split['expert']})"
     table = compact_table(f"{report['model']} · {report['policy_name']} · {where} · rate {report['settings']['rate']}")
     table.padding = (0, 0)
+    moe = has_moe(report)  # the column only for a model with routed experts
     for col in ("prompt", "out", "batch", "prefill\ntok/s", "decode\ntok/s", "output\ntok/s", "1st\nblk", "p50",
-                "p90", "p99", "GiB", "start", "MoE\nexp"):
+                "p90", "p99", "GiB", "start", *(("MoE\nexp",) if moe else ())):
         table.add_column(col, justify="right", no_wrap=True)
     for r in report["points"]:
         if "error" in r:
@@ -689,7 +696,7 @@ def bench_table(report: dict) -> Table:
                       _tps(r["decode_tokens_per_s"]), _tps(r["output_tokens_per_s"]), _secs(r["first_block_p50_s"]),
                       _secs(r["latency_p50_s"]), _secs(r["latency_p90_s"]), _secs(r["latency_p99_s"]),
                       "-" if mem is None else f"{mem / 2**30:.3g}", _secs(r["startup_s"]),
-                      "-" if not experts else f"{sum(experts) / len(experts):.0f}")
+                      *(("-" if not experts else f"{sum(experts) / len(experts):.0f}",) if moe else ()))
     return table
 
 
@@ -822,7 +829,7 @@ def bench(
     stalls = stall_table(report)
     if stalls is not None:
         console.print(stalls)
-    console.print(Text(BENCH_LEGEND, style="dim"))
+    console.print(Text(BENCH_LEGEND + (MOE_LEGEND if has_moe(report) else ""), style="dim"))
     if stopped:
         n = len(report["points"])
         points = f"{n} finished point{'s' * (n != 1)}"

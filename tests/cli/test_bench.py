@@ -82,6 +82,14 @@ def test_bench_grid_end_to_end(tmp_path):
     assert [r[:3] for r in rows] == [[str(p["prompt_len"]), str(p["output_len"]), str(p["batch"])] for p in points]
 
 
+def test_the_moe_column_only_for_a_model_with_routed_experts(tmp_path):
+    dense = {**MODEL, "config": {**MODEL["config"], "first_k_dense_replace": 2}}  # both layers dense: no router
+    res = run_cli(write_recipe(tmp_path, model=dense), "--prompt-len", "24", "--output-len", "8", "--batch", "1")
+    assert res.exit_code == 0, res.output
+    assert "MoE" not in res.output and "routed experts" not in res.output
+    assert [len(ln.split()) for ln in res.output.splitlines() if ln.split()[:1] == ["24"]] == [12]
+
+
 def test_bench_defaults_prompts_file_and_rate(tmp_path):
     first, second = list(range(3, 19)), list(range(5, 29))
     prompts = tmp_path / "p.jsonl"
