@@ -21,8 +21,9 @@ recomputed every step.
 
 Transfer rule (Fast-dLLM's): the most confident masked position of the block always, plus every masked block
 position with p >= tau; with `steps` its fixed-step mode instead (threshold not used): exactly the schedule's count
-of most confident ones (block // steps, one more in the first block % steps steps), as `threshold` with `steps`. A block retires as soon as it has no MASK (nothing is cached from a decode forward, so no
-forward only to look at the finished block), in either phase.
+of most confident ones (block // steps, one more in the first block % steps steps), as `threshold` with `steps`. A
+block retires as soon as it has no MASK (nothing is cached from a decode forward, so no forward only to look at the
+finished block), in either phase.
 
 A step is [PhaseRun("refresh", the rows that begin a block), "decode"]: the refresh runs on the rows that need it
 only. The per-row flag `fresh` (the cache holds this block's refresh) keeps correctness independent of that host
@@ -87,14 +88,13 @@ class RefreshCachePolicy(Policy):
 
     def transfer(self, p, masked, idx, st) -> tuple[torch.Tensor, torch.Tensor]:
         """(accept [B, Bk], left [B]): Fast-dLLM's rule on the block's confidences, or its fixed-step count."""
-        left = masked.sum(1)
-        steps = self.config.steps
+        left, steps = masked.sum(1), self.config.steps
         if steps is None:
-            return select("fast_dllm", p, masked, torch.minimum(left, torch.ones_like(left)), self.config.threshold,
-                          False), left
-        decoded = ((idx >= st.prompt_len[:, None]) & (idx < st.work_len[:, None])).sum(1) - left
-        return select("fast_dllm", p, masked, torch.minimum(fixed_count(steps, self.block_size, decoded), left),
-                      self.config.threshold, True), left
+            k = torch.ones_like(left)
+        else:  # the block's positions in the working sequence, less those still masked: decoded so far
+            k = fixed_count(steps, self.block_size,
+                            ((idx >= st.prompt_len[:, None]) & (idx < st.work_len[:, None])).sum(1) - left)
+        return select("fast_dllm", p, masked, torch.minimum(k, left), self.config.threshold, steps is not None), left
 
 
 class FastDLLMCachePolicy(RefreshCachePolicy):
