@@ -235,7 +235,8 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # herald_keys (variant 5c: every key on the device, scanned there; only the values in the host pool), herald_keysw
   # (herald_keys with draft_wait DRAFT_WAIT: rows out of step draft in one forward), herald_fetch (MAGE-Offload's second
   # form: each block's prefix fetched from the host pool for MAGE's selection), herald_host8 (herald_host with 8 scratch
-  # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE)
+  # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE;
+  # herald_host8w: prefill forwards of 32,768 tokens, so the decode steps between admissions are half as many)
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     sets="--set policy.name=${p%%_*}"
     [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
@@ -247,6 +248,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
     [[ $p = herald_host8* ]] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
     [[ $p =~ ^herald_host8t([0-9]+)$ ]] && sets="$sets --set policy.host_threads=${BASH_REMATCH[1]}"
+    [ $p = herald_host8w ] && sets="$sets --set prefill.tokens=32768"  # every scratch cache's chunk in one forward
     envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
     [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
     [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
