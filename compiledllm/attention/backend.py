@@ -33,7 +33,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd, kv_layer, lay
         args = PackedArgs(q, src_k, src_v, length, k, v, spec.rule, index)
         skew = spec.skew_target(layer)
         out, _, mass = packed.run(args, backend=fwd.kernels.attention, mass_queries=None if skew is not None
-                                  else queries, mass_per_head=spec.stats_per_head)
+                                  else queries, mass_per_head=spec.stats_per_head,
+                                  mass_logits=acc is not None and spec.stats_score == "logits")
         if skew is not None:
             mass = _approximate_mass(args, skew, queries)
         if mass is not None:

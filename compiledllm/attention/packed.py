@@ -77,18 +77,26 @@ def _auto_backend(a: PackedArgs, stats: bool) -> str:
 
 
 def run(a: PackedArgs, return_lse: bool = False, backend: str | None = None,
-        mass_queries: torch.Tensor | None = None, mass_per_head: bool = False):
+        mass_queries: torch.Tensor | None = None, mass_per_head: bool = False, mass_logits: bool = False):
     """(out, lse or None, mass or None); backend None (auto), "triton", "cupy" or "torch" (the reference). With
     mass_queries [B or 1, Q] bool the per-key attention mass of those queries: [B, S + Q] summed over heads, or
-    with mass_per_head [B, KVH, S + Q] per KV head (the Triton kernel or the reference: CuPy has none)."""
+    with mass_per_head [B, KVH, S + Q] per KV head (the Triton kernel or the reference: CuPy has none); with
+    mass_logits the keys' raw scaled scores summed instead ([B, S + Q], made in the attention's own pass)."""
     stats = mass_queries is not None
     if backend is None:
         backend = _auto_backend(a, stats) if a.q.is_cuda else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown packed attention backend {backend!r} (use None, 'cupy', 'triton' or 'torch')")
+    if mass_logits and (not stats or mass_per_head or return_lse):
+        raise ValueError("mass_logits: needs mass_queries and the summed form (no mass_per_head, no return_lse)")
     if backend == "torch":
-        return reference(a, return_lse or stats, mass_queries, mass_per_head)
+        return reference(a, return_lse or stats, mass_queries, mass_per_head, mass_logits)
     slot, group, see = a.rule_tensors()
+    if mass_logits:  # the Triton kernel's own pass (_covers: no other kernel makes statistics)
+        out, score = torch.ops.compiledllm.packed_attention_scored(
+            a.q, a.k_cache, a.v_cache, a.prefix_len, a.k_win, a.v_win, group, see, a.kv_index, slot,
+            a.softmax_scale, mass_queries)
+        return out, None, score
     op = torch.ops.compiledllm.packed_attention if backend == "cupy" else torch.ops.compiledllm.packed_attention_triton
     out, lse = op(a.q, a.k_cache, a.v_cache, a.prefix_len, a.k_win, a.v_win, group, see, a.kv_index, slot,
                   a.softmax_scale, return_lse or stats)

@@ -4,7 +4,8 @@ Processes the batch in chunks so that its float32 scores and K/V copies stay nea
 synchronisation, so it also runs inside a CUDA graph. A query that sees no key gets out = 0 and lse = -inf (the
 kernels' convention). With `mass_queries` it also returns the attention mass per key [B, S + Q] (prefix keys,
 then window keys), summed over heads and the queries marked True; with `mass_per_head` per KV head [B, KVH, S + Q]
-(summed over the KV head's H / KVH query heads).
+(summed over the KV head's H / KVH query heads); with `mass_logits` the raw scaled scores of the keys each marked
+query sees, summed the same way, instead of the probabilities.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from compiledllm.attention.spec import ExplicitMask
 _REF_CHUNK_BYTES = 256 << 20
 
 
-def _rows(q, kc, vc, pre_seen, kw, vw, win_seen, scale, mass_q, per_head=False):
+def _rows(q, kc, vc, pre_seen, kw, vw, win_seen, scale, mass_q, per_head=False, logits=False):
     """One chunk of rows: pre_seen [B, 1 or Q, S], win_seen [B or 1, 1 or Q, Q] bool."""
     B, Lq, H, D = q.shape
     S, KVH = kc.shape[1], kc.shape[2]
@@ -31,16 +32,18 @@ def _rows(q, kc, vc, pre_seen, kw, vw, win_seen, scale, mass_q, per_head=False):
     out = torch.einsum("bkgij,bjkd->bikgd", probs[..., :S], vc.float())
     out = out + torch.einsum("bkgij,bjkd->bikgd", probs[..., S:], vw.float())
     mass = None
-    if mass_q is not None:
+    if mass_q is not None:  # logits: the raw scaled scores of the keys each query sees, else the probabilities
+        what = torch.where(scores > float("-inf"), scores, 0.0) if logits else probs
         # [B, KVH, S + Lq] per KV head (its G query heads), else [B, S + Lq]
-        mass = (probs * mass_q[:, None, None, :, None].float()).sum(dim=(2, 3) if per_head else (1, 2, 3))
+        mass = (what * mass_q[:, None, None, :, None].float()).sum(dim=(2, 3) if per_head else (1, 2, 3))
     return out.reshape(B, Lq, H, D), lse.reshape(B, H, Lq), mass
 
 
 def reference(a: PackedArgs, return_lse: bool = False, mass_queries: torch.Tensor | None = None,
-              mass_per_head: bool = False):
+              mass_per_head: bool = False, mass_logits: bool = False):
     """(out [B, Q, H, D] in q's dtype, lse [B, H, Q] float32 or None, mass float32 [B, S + Q] (mass_per_head:
-    [B, KVH, S + Q]) or None)."""
+    [B, KVH, S + Q]) or None); mass_logits: each key's raw scaled scores summed instead of its probabilities
+    (Flash-dLLM's tracker score)."""
     q = a.q
     B, Lq, H, D = q.shape
     if mass_queries is not None:
@@ -62,7 +65,7 @@ def reference(a: PackedArgs, return_lse: bool = False, mass_queries: torch.Tenso
         r = slice(b0, b0 + step)
         w = win_seen if win_seen.shape[0] == 1 else win_seen[r]
         o, lse, m = _rows(q[r], kc[r], vc[r], pre_seen[r], a.k_win[r], a.v_win[r], w, a.softmax_scale,
-                          None if mass_queries is None else mass_queries[r], mass_per_head)
+                          None if mass_queries is None else mass_queries[r], mass_per_head, mass_logits)
         outs.append(o.to(q.dtype))
         lses.append(lse)
         masses.append(m)

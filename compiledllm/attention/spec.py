@@ -25,7 +25,10 @@ Statistics: with `stats` set, each layer in `stats_layers` (None: every layer) a
 receives (prefix keys, then window keys), summed over the `stats_queries` ([B, Q] bool; None: all), into a float32
 accumulator of one of two shapes:
 
-* [B, S + Q]: summed over every head and the layers asked - Flash-dLLM's tracker score;
+* [B, S + Q]: summed over every head and the layers asked - the tracker score of `flash_dllm`; with
+  `stats_score: "logits"` each key's raw scaled scores are summed instead of its probabilities (Flash-dLLM's own
+  score: linear in the scores, so the Triton attention kernel makes it in its own pass, where the mass needs the
+  finished lse and a second kernel);
 * [L, B, KVH, S + Q]: per (layer, KV head) - MAGE / HERALD's KV budgets. The i-th layer of `stats_layers` adds
   into stats[i] (L = len(stats_layers)), or layer i when stats_layers is None (L = the model's layers); KV head g's
   mass is summed over its H / KVH query heads. Summed over its KV heads it is the [B, S + Q] figure.
@@ -104,6 +107,9 @@ class AttentionSpec:
     stats: torch.Tensor | None = None
     stats_queries: torch.Tensor | None = None  # [B, Q] bool: the queries whose mass counts (None: all)
     stats_layers: tuple[int, ...] | None = None  # layers that add to stats (None: all)
+    # "logits": stats [B, S + Q] adds each key's raw scaled scores q.k * scale summed over the counted queries that
+    # see it and their heads (Flash-dLLM's tracker score, made by the attention's own pass) instead of its mass
+    stats_score: str = "mass"
     # [L, KVH, D, r] per stats layer: the mass is instead that of an approximate attention whose scores take only the
     # first r coordinates of q and k after this rotation (InfiniGen's partial queries and keys); per-head stats only
     stats_skew: torch.Tensor | None = None
@@ -120,6 +126,8 @@ class AttentionSpec:
                 raise ValueError(f"stats must be [B, S + Q] or [L, B, KVH, S + Q], not {tuple(self.stats.shape)}")
             if self.stats_skew is not None and not self.stats_per_head:
                 raise ValueError("stats_skew needs the per-head stats [L, B, KVH, S + Q]")
+            if self.stats_score not in ("mass", "logits") or (self.stats_score == "logits" and self.stats_per_head):
+                raise ValueError(f"stats_score: mass, or logits with stats [B, S + Q]; got {self.stats_score!r}")
             if self.stats_per_head and self.stats_layers is not None and self.stats.shape[0] != len(self.stats_layers):
                 raise ValueError(f"per-head stats [L, B, KVH, S + Q] need L = len(stats_layers) = "
                                  f"{len(self.stats_layers)}, not {self.stats.shape[0]}")

@@ -11,7 +11,9 @@ Two constexpr switches, so that the block-causal dense form compiles to the code
 GROUPS (the QueryGroups rule: window key j is visible to query i iff bit group[j] of see[group[i]] is set;
 else BlockCausal(SLOT)) and PAGED (prefix key s of row b is pool row kv_index[b, s]; else row b's cache).
 attention_mass is the per-key attention probability of the same scores and mask, from the forward's lse, per
-(row, KV head): the KV head's G query heads share a program, so the per-head mass needs no extra pass.
+(row, KV head): the KV head's G query heads share a program, so the per-head mass needs no extra pass. The
+attention's SCORE switch instead sums each key's raw scaled scores over the counted queries in the same pass (a
+sum of logits needs no lse).
 """
 from __future__ import annotations
 
@@ -32,7 +34,14 @@ def _update(q, k, v, seen, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr):
     p = tl.exp2(s * scale_log2 - base[:, None])  # one fused multiply-add per score
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, s
+
+
+@triton.jit
+def _score_cols(part, keys, s, seen, want, scale, ok):
+    """SCORE: this tile's raw scaled scores summed over the counted rows that see each key, stored once per (row
+    tile, key): Flash-dLLM's tracker score, linear in the scores, so the attention's own pass produces it."""
+    tl.store(part + keys, tl.sum(tl.where(seen & want[:, None], s, 0.0), 0) * scale, mask=ok)
 
 
 @triton.jit
@@ -66,14 +75,17 @@ def _window_seen(qr, keys, live, row_ok, grp_b, SLOT, GROUPS: tl.constexpr):
 
 @triton.jit
 def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_ptr, ws_o_ptr, ws_l_ptr,
-                    grp_ptr, see_ptr, idx_ptr,
+                    grp_ptr, see_ptr, idx_ptr, qm_ptr, part_ptr,
                     q_sb, q_st, q_sh, kc_sb, kc_st, kc_sh, vc_sb, vc_st, vc_sh,
-                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, grp_sb, idx_sb,
+                    kw_sb, kw_st, kw_sh, vw_sb, vw_st, vw_sh, grp_sb, idx_sb, qm_sb, qm_st,
                     S, n_out_rows, scale_log2, LQ, SLOT, NSPLIT,
                     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, WS: tl.constexpr, GROUPS: tl.constexpr, PAGED: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, WS: tl.constexpr, GROUPS: tl.constexpr, PAGED: tl.constexpr,
+                    SCORE: tl.constexpr):
     # LQ, SLOT and NSPLIT are runtime values: prefill chunks of every length share one compiled kernel.
     # PAGED: kc/vc are pools [N, KVH, D] (the launcher passes batch stride 0), kv_index rows [B, S] unit-stride.
+    # SCORE: each key's raw scaled scores summed over the query rows marked in qm [B, Q] into part[b, kvh, row tile,
+    # key] ([B, KVH, row_tiles, S + LQ], zeroed by the launcher: keys no program visits stay 0).
     G: tl.constexpr = H // KVH
     ROWS = G * LQ
     bh = tl.program_id(1)
@@ -89,6 +101,12 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
     q = tl.load(q_ptr + b * q_sb + i[:, None] * q_st + hq[:, None] * q_sh + d[None, :], mask=row_ok[:, None],
                 other=0.0)
     ob = tl.minimum(tl.maximum(tl.load(pl_ptr + b).to(tl.int32), 0), S)
+    want = row_ok
+    part = part_ptr
+    sc = scale_log2 * 0.6931471805599453  # the softmax scale
+    if SCORE:
+        want = row_ok & (tl.load(qm_ptr + b * qm_sb + i * qm_st, mask=row_ok, other=0) != 0)
+        part += ((b * KVH + kvh) * tl.num_programs(0) + tl.program_id(0)) * (S + LQ)
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -110,14 +128,18 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
         rows = _prefix_rows(idx_b, t * BN + n, None, PAGED)
         k = tl.load(kb + rows[:, None] * kc_st + d[None, :])
         v = tl.load(vb + rows[:, None] * vc_st + d[None, :])
-        m_i, l_i, acc = _update(q, k, v, None, m_i, l_i, acc, scale_log2, False)
+        m_i, l_i, acc, s = _update(q, k, v, None, m_i, l_i, acc, scale_log2, False)
+        if SCORE:
+            _score_cols(part, t * BN + n, s, n[None, :] >= 0, want, sc, n >= 0)
     for t in range(t_full, t_hi):
         keys = t * BN + n
         live = keys < ob
         rows = _prefix_rows(idx_b, keys, live, PAGED)
         k = tl.load(kb + rows[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(vb + rows[:, None] * vc_st + d[None, :], mask=live[:, None], other=0.0)
-        m_i, l_i, acc = _update(q, k, v, live[None, :], m_i, l_i, acc, scale_log2, True)
+        m_i, l_i, acc, s = _update(q, k, v, live[None, :], m_i, l_i, acc, scale_log2, True)
+        if SCORE:
+            _score_cols(part, keys, s, live[None, :], want, sc, keys < S)
 
     if split == NSPLIT - 1:  # the window: block-causal up to the end of the last slot a row here can see
         grp_b = grp_ptr
@@ -136,7 +158,9 @@ def packed_attn_fwd(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pl_ptr, out_ptr, lse_
             k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(vwb + keys[:, None] * vw_st + d[None, :], mask=live[:, None], other=0.0)
             seen = _window_seen(qr, keys, live, row_ok, grp_b, SLOT, GROUPS)
-            m_i, l_i, acc = _update(q, k, v, seen, m_i, l_i, acc, scale_log2, True)
+            m_i, l_i, acc, s = _update(q, k, v, seen, m_i, l_i, acc, scale_log2, True)
+            if SCORE:
+                _score_cols(part, S + keys, s, seen, want, sc, live)
 
     # A row that saw no key (l_i = 0) stores out 0 and lse -inf, as the reference does.
     inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)

@@ -7,6 +7,8 @@ op. `torch.ops.compiledllm.attention_mass(q, k_cache, prefix_len, k_win, group, 
 lse, queries, per_head=False) -> mass [B, S + Q]` is the attention probability each key receives (prefix keys,
 then window keys) summed over the heads and the queries marked in queries [B, Q], from the forward's lse; with
 per_head, mass [B, KVH, S + Q] per KV head (summed over its H / KVH query heads).
+`torch.ops.compiledllm.packed_attention_scored(..., scale, queries) -> (out, score [B, S + Q])` is the attention
+with Flash-dLLM's tracker score made in its own pass: per key, the raw scaled scores summed over the marked queries.
 
 Static launches: no host synchronisation, scratch from torch's allocator per call (launch.split_scratch), so
 they compile and capture. Triton is imported lazily: registering the ops needs none.
@@ -64,8 +66,12 @@ def _source_strides(a: PackedArgs, t: torch.Tensor) -> tuple[int, ...]:
 
 
 def packed_attention_triton_launch(args: PackedArgs, return_lse: bool, tile: TritonTile | None = None,
-                                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch (tile/splits override the heuristics, for tests and the benchmark)."""
+                                   splits: int | None = None, score_queries: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, ...]:
+    """Launch (tile/splits override the heuristics, for tests and the benchmark) -> (out, lse); with score_queries
+    [B or 1, Q] bool also the tracker score [B, S + Q] float32: per key, its raw scaled scores q.k * scale summed over
+    the marked queries that see it and their heads, made in the same pass (row tiles' partials summed here in a fixed
+    order: deterministic)."""
     from compiledllm.attention.triton_kernels import packed_attn_combine, packed_attn_fwd
 
     check_inputs(args)
@@ -76,8 +82,10 @@ def packed_attention_triton_launch(args: PackedArgs, return_lse: bool, tile: Tri
     rows = (H // KVH) * Lq
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq) if return_lse else (0,), dtype=torch.float32, device=q.device)
+    scored = score_queries is not None
     if out.numel() == 0:
-        return out, lse
+        empty = torch.zeros((B, S + Lq), dtype=torch.float32, device=q.device)
+        return (out, lse, empty) if scored else (out, lse)
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, k_win, v_win)):
         q, k_cache, v_cache, k_win, v_win = (t.contiguous() for t in (q, k_cache, v_cache, k_win, v_win))
     tile = tile or default_triton_tile(rows)
@@ -91,17 +99,24 @@ def packed_attention_triton_launch(args: PackedArgs, return_lse: bool, tile: Tri
     ws_o, ws_l = (ws, ws[ns * n_out * D:]) if ns > 1 else (out, lse)
     strides = [*q.stride()[:3], *_source_strides(args, k_cache), *_source_strides(args, v_cache),
                *k_win.stride()[:3], *v_win.stride()[:3]]
+    qm, part = out, out  # any pointers when no score is made
+    if scored:
+        if score_queries.dtype != torch.bool or score_queries.dim() != 2 or score_queries.shape[1] != Lq:
+            raise ValueError(f"attention score: queries must be a bool [B or 1, {Lq}] tensor")
+        qm = score_queries.expand(B, Lq).view(torch.uint8)
+        part = torch.zeros((B, KVH, row_tiles, S + Lq), dtype=torch.float32, device=q.device)
     packed_attn_fwd[(row_tiles, B * KVH, ns)](
-        q, k_cache, v_cache, k_win, v_win, args.prefix_len, out, lse, ws_o, ws_l, group, see, idx, *strides,
-        0 if group is None else group.stride(0), 0 if idx is None else idx.stride(0), S, n_out,
-        args.softmax_scale * math.log2(math.e), Lq, slot, ns, H=H, KVH=KVH, D=D, BM=tile.block_m,
-        BN=tile.block_n, WRITE_LSE=return_lse, WS=tile.warp_specialize, GROUPS=group is not None,
-        PAGED=idx is not None, num_warps=tile.warps, num_stages=tile.stages)
+        q, k_cache, v_cache, k_win, v_win, args.prefix_len, out, lse, ws_o, ws_l, group, see, idx, qm, part,
+        *strides, 0 if group is None else group.stride(0), 0 if idx is None else idx.stride(0),
+        *(qm.stride() if scored else (0, 0)), S, n_out, args.softmax_scale * math.log2(math.e), Lq, slot, ns, H=H,
+        KVH=KVH, D=D, BM=tile.block_m, BN=tile.block_n, WRITE_LSE=return_lse, WS=tile.warp_specialize,
+        GROUPS=group is not None, PAGED=idx is not None, SCORE=scored, num_warps=tile.warps,
+        num_stages=tile.stages)
     if ns > 1:
         rb = 16
         packed_attn_combine[(-(-n_out // rb),)](ws_o, ws_l, out, lse, n_out, Lq, ns, H=H, D=D, RB=rb,
                                                 WRITE_LSE=return_lse, num_warps=4)
-    return out, lse
+    return (out, lse, part.view(B, KVH * row_tiles, S + Lq).sum(1)) if scored else (out, lse)
 
 
 def attention_mass_triton_launch(args: PackedArgs, lse: torch.Tensor, queries: torch.Tensor,
@@ -156,6 +171,24 @@ def packed_attention_triton_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 @packed_attention_triton_op.register_fake
 def _(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot, scale, return_lse):
     return fake_outputs(q, return_lse)
+
+
+@torch.library.custom_op("compiledllm::packed_attention_scored", mutates_args=(), device_types="cuda")
+def packed_attention_scored_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               prefix_len: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                               group: torch.Tensor | None, see: torch.Tensor | None, kv_index: torch.Tensor | None,
+                               slot: int, scale: float, queries: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Lq, H, D] and the tracker score [B, S + Q] float32 of the queries marked in queries, one pass."""
+    args = op_args(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot, scale)
+    out, _, score = packed_attention_triton_launch(args, False, score_queries=queries)
+    return out, score
+
+
+@packed_attention_scored_op.register_fake
+def _(q, k_cache, v_cache, prefix_len, k_win, v_win, group, see, kv_index, slot, scale, queries):
+    S = kv_index.shape[1] if kv_index is not None else k_cache.shape[1]
+    return torch.empty_like(q), q.new_empty((q.shape[0], S + q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("compiledllm::attention_mass", mutates_args=(), device_types="cuda")

@@ -451,6 +451,27 @@ def test_triton_attention_mass(rule, source):
     torch.testing.assert_close(heads.sum(1), mass, rtol=1e-5, atol=1e-5)
 
 
+@gpu
+@needs_kernel
+@needs_triton
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("rule", ["block_causal", *GPU_RULES])
+def test_triton_logit_score_in_the_attention_pass(rule, source):
+    """The tracker score made by the attention kernel's own pass (packed_attention_scored) against the reference's;
+    its out is the plain launch's; deterministic."""
+    a, rows = rule_case(rule, source, B=3, S=700, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16, device="cuda")
+    queries = torch.rand(a.q.shape[:2], device="cuda") < 0.5
+    queries[0] = False
+    if rows is not None:
+        queries &= rows
+    out, _, score = packed.run(a, backend="triton", mass_queries=queries, mass_logits=True)
+    plain, _, _ = packed.run(a, backend="triton")
+    _, _, ref = reference(a, mass_queries=queries, mass_logits=True)
+    torch.testing.assert_close(score, ref, rtol=1e-3, atol=2e-2)
+    assert torch.equal(out, plain) and (score[0] == 0).all() and (score[2, a.prefix_len[2]:a.keys] == 0).all()
+    assert torch.equal(packed.run(a, backend="triton", mass_queries=queries, mass_logits=True)[2], score)
+
+
 def groups_paged_inputs(seed, device="cuda"):
     """Static tensors of a QueryGroups (per-row) + paged call: q, pool K/V, prefix, window K/V, group, see, index."""
     a, _ = rule_case("per_row", "paged", B=2, S=1500, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16,

@@ -89,6 +89,47 @@ def test_attention_mass_is_probability_summed_over_heads_and_chosen_queries():
     assert (mass[1, 7 + 2:] > 0).all() and (mass[1, 7:9] > 0).all()  # row 1's last query sees the whole window
 
 
+def test_logit_score_is_the_raw_scaled_scores_summed_over_heads_and_chosen_queries():
+    """stats_score "logits" (Flash-dLLM's tracker score): per key, q . k * scale summed over the chosen queries that
+    see it and every head, by hand; keys past a row's prefix and window keys a query cannot see add nothing."""
+    q, kc, vc, kw, vw = inputs()
+    prefix = torch.tensor([3, 7])
+    chosen = torch.tensor([[True, False, True, True], [False, False, False, True]])
+    a = PackedArgs(q, kc, vc, prefix, kw, vw, BlockCausal(2))
+    _, _, score = reference(a, mass_queries=chosen, mass_logits=True)
+    B, Q, H, D = q.shape
+    G = H // kc.shape[2]
+    want = torch.zeros(B, 7 + Q)
+    for b in range(B):
+        for i in range(Q):
+            if not chosen[b, i]:
+                continue
+            for h in range(H):
+                for j in range(int(prefix[b])):
+                    want[b, j] += (q[b, i, h] @ kc[b, j, h // G]) * a.softmax_scale
+                for j in range(Q):
+                    if j // 2 <= i // 2:  # block-causal window, blocks of 2
+                        want[b, 7 + j] += (q[b, i, h] @ kw[b, j, h // G]) * a.softmax_scale
+    torch.testing.assert_close(score, want)
+    assert (score[0, 3:7] == 0).all()
+
+
+def test_attend_adds_the_logit_score_where_the_spec_asks_for_it():
+    q, kc, vc, kw, vw = inputs()
+    prefix, chosen = torch.tensor([3, 7]), torch.tensor([[True, False, True, True], [False, True, False, True]])
+    kv = KVCache.allocate(1, 2, 7, 2, 8, torch.float32, "cpu")
+    kv.k[:, 0], kv.v[:, 0] = kc, vc
+    acc = torch.zeros(2, 7 + 4)
+    spec = AttentionSpec(BlockCausal(2), prefix_len=prefix, stats=acc, stats_queries=chosen, stats_score="logits")
+    attend(q, kw, vw, Forward(torch.zeros(2, 4, dtype=torch.long), prefix[:, None] + torch.arange(4), spec),
+           kv.layer(0), 0)
+    _, _, want = reference(PackedArgs(q, kc, vc, prefix, kw, vw, BlockCausal(2)), mass_queries=chosen,
+                           mass_logits=True)
+    torch.testing.assert_close(acc, want)
+    with pytest.raises(ValueError, match="stats_score"):
+        AttentionSpec(BlockCausal(2), stats=torch.zeros(1, 2, 2, 11), stats_score="logits")
+
+
 def test_attend_reads_the_cache_before_writing_and_skips_minus_one():
     B, Q, H, KVH, D = 2, 4, 4, 2, 8
     kv = KVCache.allocate(1, B, 12, KVH, D, torch.float32, "cpu")

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 CHECKS = Path(__file__).with_name("triton_interp_checks.py")
 
 
-@pytest.mark.parametrize("check", ["routed", "routing", "confidence", "attention", "mass", "head", "qkv"])
+@pytest.mark.parametrize("check", ["routed", "routing", "confidence", "attention", "mass", "score", "head",
+                                   "qkv"])
 def test_kernel_in_interpreter(check):
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

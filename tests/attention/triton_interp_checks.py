@@ -1,7 +1,7 @@
 """Checks of the Triton kernels run by the Triton interpreter on the CPU (TRITON_INTERPRET=1, set by
 test_triton_interpreter.py, which runs this file in a subprocess so the setting never leaks into other tests).
 Usage: TRITON_INTERPRET=1 python tests/attention/triton_interp_checks.py CHECK
-(CHECK: routed, routing, confidence, attention, mass, head or qkv)
+(CHECK: routed, routing, confidence, attention, mass, score, head or qkv)
 The interpreter has no bf16 (numpy), so the expert and attention kernels run in fp16 here; bf16 runs on the
 GPU tests."""
 from __future__ import annotations
@@ -260,6 +260,29 @@ def mass() -> None:
                                                                 tile=tile), rtol=0, atol=0)
 
 
+def score() -> None:
+    """The tracker score made in the attention's own pass (SCORE): each key's raw scaled scores summed over the
+    counted queries that see it and their heads, against the reference's, every rule and source, split-K and row
+    tiles; keys nobody counted sees get exactly 0, and out is the plain launch's, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    cases = [(2, 45, 8, 4, 2, [45, 20], BlockCausal(4), None, TritonTile(16, 16, 4, 1), 2, None),
+             *_rule_cases(g)]
+    for B, S, Lq, H, KVH, prefix, rule, pool, tile, splits, rows in cases:
+        a = _rule_args(g, B, S, Lq, H, KVH, prefix, rule, pool)
+        queries = torch.rand(B, Lq, generator=g) < 0.6
+        queries[-1] = False
+        if rows is not None:
+            queries &= rows
+        out, _, sc = packed_attention_triton_launch(a, False, tile=tile, splits=splits, score_queries=queries)
+        plain, _ = packed_attention_triton_launch(a, False, tile=tile, splits=splits)
+        _, _, ref = reference(_f32(a), mass_queries=queries, mass_logits=True)
+        assert sc.shape == (B, S + Lq) and sc.dtype == torch.float32
+        torch.testing.assert_close(sc, ref, rtol=1e-3, atol=1e-3)
+        assert torch.equal(out, plain) and (sc[-1] == 0).all()
+        for b, o in enumerate(prefix):
+            assert (sc[b, o:S] == 0).all(), (b, o)
+
+
 def head() -> None:
     """The row-selective head: wanted rows equal the float64 product; compaction covers none, some and all rows."""
     from compiledllm.models import head as head_mod
@@ -317,5 +340,5 @@ def qkv() -> None:
 
 if __name__ == "__main__":
     {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "mass": mass,
-     "head": head, "qkv": qkv}[sys.argv[1]]()
+     "head": head, "qkv": qkv, "score": score}[sys.argv[1]]()
     print("ok")
