@@ -19,10 +19,12 @@ of blocks after it. Per request:
 
 The tracker's score: the attention mass a key gets from those masked queries, summed over heads and the layers past
 the first two, from the attention itself (AttentionSpec.stats, [B, S + Q]), reset every step. Flash-dLLM ranks by
-unnormalised logits averaged over queries and heads; this ranks by their softmax mass (the statistic the attention
-kernels produce; stated, not the paper's). The query set is kept in position order, so with `ahead` and `track` at
-least the capacity every position is recomputed every step in the order a no-cache forward reads them: the tokens
-are `threshold` (rule fast_dllm)'s without a cache.
+unnormalised logits averaged over queries and heads: `track_score: logits` does (summed, the same order), and the
+Triton attention kernel then makes the score in its own pass, where the mass takes a second kernel.
+
+The query set is kept in position order, so with `ahead` and `track` at least the capacity every position is
+recomputed every step in the order a no-cache forward reads them: the tokens are `threshold` (rule fast_dllm)'s
+without a cache.
 
 `verify: true` adds Flash-Verify's forward after each decode step (phase "verify", policies/flash_verify.py).
 `fused_cache` (on by default) makes the projection write the K/V (Flash-Cache's fused kernel, models/qkv_kernel.py):
@@ -32,6 +34,7 @@ positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -51,6 +54,9 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
     threshold: float = 0.9
     steps: int | None = None  # Fast-dLLM's fixed-step mode, a fixed count a step (policies/fast_dllm_cache.py)
     track: int = 64   # decoded positions of largest attention mass recomputed each step
+    # the tracker's score: softmax mass (the default until the one-pass form is measured on the device), or logits:
+    # Flash-dLLM's raw scores summed, which the Triton attention kernel makes in its own pass (AttentionSpec)
+    track_score: Literal["mass", "logits"] = "mass"
     ahead: int = 64   # masked positions past the block recomputed each step (not decoded)
     # Flash-Cache's fused kernel: the projection writes the K/V itself (models/qkv_kernel.py; Triton on CUDA for
     # LLaDA-8B-like layers, elsewhere the separate path in that order). On: 8 % less decode time on an H100
@@ -60,6 +66,8 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
         super().__post_init__()
         check_probability("threshold", self.threshold)
         check_steps(self.steps, self.block_size)
+        if self.track_score not in ("mass", "logits"):
+            raise ValueError(f"track_score: must be mass or logits, got {self.track_score!r}")
         for key in ("track", "ahead"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0, got {getattr(self, key)}")
@@ -123,14 +131,15 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
             live = working & act[:, None]
             counted = masked & (pos < st.block_start[:, None] + self.block_size + self.config.ahead) & act[:, None]
             spec = AttentionSpec(Bidirectional(st.work_len), stats=st.policy["stats"][:, :T], stats_queries=counted,
-                                 stats_layers=self.stats_layers())
+                                 stats_layers=self.stats_layers(), stats_score=self.config.track_score)
             return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=idx, logits_rows=need,
                            route_groups=route_groups(pos, self.block_size, live), fused_cache=self.config.fused_cache)
         q_pos, q_live, counted, logits_at = self.query_set(st, masked, act)
         prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
         see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
         spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
-                             stats=st.policy["stats"], stats_queries=counted, stats_layers=self.stats_layers())
+                             stats=st.policy["stats"], stats_queries=counted, stats_layers=self.stats_layers(),
+                             stats_score=self.config.track_score)
         # the cache it reads has holes at the set's positions (cache_around), so the set's K/V may be written first
         return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
                        logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live),

@@ -73,6 +73,19 @@ def test_small_sets_are_approximate_and_batch_invariant(model, ahead, track):
     assert alone != exact, "the cache changed nothing"
 
 
+def test_the_logit_tracker_score_is_batch_invariant_and_tracks_other_positions(model):
+    """`track_score: logits` (Flash-dLLM's raw-score ranking): batched == alone, and it tracks other positions than
+    the mass does (other tokens here), while with every position recomputed the score does not matter."""
+    ps = prompts([5, 9, 3, 12, 7], seed=3)
+    logits = flash(0.5, 2, 3) | {"track_score": "logits"}
+    alone = [run(model, logits, [p], 1)[0].output_ids for p in ps]
+    assert [r.output_ids for r in run(model, logits, ps, 3, buckets=(1, 2, 3))] == alone
+    assert alone != [r.output_ids for r in run(model, flash(0.5, 2, 3), ps, 3)]
+    everything = flash(0.5, CAPACITY, CAPACITY)
+    assert ([r.output_ids for r in run(model, everything | {"track_score": "logits"}, ps, 3)]
+            == [r.output_ids for r in run(model, everything, ps, 3)])
+
+
 def test_the_query_set_is_block_new_ahead_and_the_most_attended(model):
     """One row: prompt 0-5, block 8-11, working length 20; decoded 6 and 7 (7 in the last step), masked 8-19 but 9;
     ahead 3, track 2: the block, 7, the next three masked past the block (12, 13, 14) and the two decoded positions
@@ -162,16 +175,18 @@ def test_compiled_equals_eager(model, compile_kw, verify, fused):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
-@pytest.mark.parametrize("dtype,verify", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)],
-                         ids=["bf16", "fp32", "bf16-verify"])
-def test_cuda_graphs_equal_eager(tmp_path, dtype, verify):
+@pytest.mark.parametrize("dtype,verify,score", [(torch.bfloat16, False, "mass"), (torch.float32, False, "mass"),
+                                               (torch.bfloat16, True, "mass"), (torch.bfloat16, False, "logits")],
+                         ids=["bf16", "fp32", "bf16-verify", "bf16-logits"])
+def test_cuda_graphs_equal_eager(tmp_path, dtype, verify, score):
     """The refresh on a subset of rows and the decode's query set (sorts, scatters, an indexed KV source) captured
-    once per (phase, bucket); bf16 with head_dim 64 runs the packed-attention kernel."""
+    once per (phase, bucket); bf16 with head_dim 64 runs the packed-attention kernel (with the logit tracker score:
+    the kernel's scored pass, its score equal to the reference's on the same inputs in test_packed_attention.py)."""
     ckpt = write_checkpoint(tmp_path / "l", "llada", 11, d_model=256, n_heads=4, n_kv_heads=4)
     model = compiledllm.load_model(ckpt, device="cuda", dtype=dtype, eos_token_id=0)
     ps = prompts([5, 11, 2, 8, 3, 14], seed=8)
     kw = dict(max_new_tokens=21, batch_size=4, max_seq_len=48)
-    policy = flash(0.9, 6, 5) | ({"verify": True, "gamma": 0.5} if verify else {})
+    policy = flash(0.9, 6, 5) | ({"verify": True, "gamma": 0.5} if verify else {}) | {"track_score": score}
     eager = Engine(model, EngineConfig(policy, cuda_graphs=False, **kw)).generate(ps)
     graphs = Engine(model, EngineConfig(policy, cuda_graphs=True, **kw)).generate(ps)
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
