@@ -264,22 +264,24 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
   timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py \
-    tests/policies/test_block_verify.py tests/policies/test_prefix_cache.py -p no:cacheprovider 2>&1 \
+    tests/policies/test_block_verify.py tests/policies/test_prefix_cache.py "tests/attention/test_packed_attention.py::test_triton_logit_score_in_the_attention_pass" -p no:cacheprovider 2>&1 \
     | tee "$OUT/flash_tests.log" | tail -6
   timeout ${QKV_TIMEOUT:-150} python3 tools/bench/bench_qkv_cache.py --out "$OUT/bench_qkv_cache_h200.json" 2>&1 \
     | grep -v -i warn | tail -8
 fi
 if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights), Fast-dLLM's fixed-step mode, every
   # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
-  # flash_dllm, + Flash-Verify, + the fused cache kernel (FLASH_POLICIES picks)
-  for p in ${FLASH_POLICIES:-nocache prefix dual flash flashv flashf}; do
+  # flash_dllm (fused cache kernel), + Flash-Verify, with the separate cache path (flashs), with the tracker's logit
+  # score made in the attention's pass (flashl); FLASH_POLICIES picks
+  for p in ${FLASH_POLICIES:-nocache prefix dual flash flashv flashs flashl}; do
     case $p in
       nocache) sets="--set policy.name=threshold --set policy.rule=fast_dllm" ;;
       prefix) sets="--set policy.name=fast_dllm_cache" ;;
       dual) sets="--set policy.name=fast_dllm_cache --set policy.dual=true" ;;
       flash) sets="" ;;
       flashv) sets="--set policy.verify=true" ;;
-      flashf) sets="--set policy.fused_cache=true" ;;
+      flashs) sets="--set policy.fused_cache=false" ;;
+      flashl) sets="--set policy.track_score=logits" ;;
     esac
     timeout ${FLASH_BENCH_TIMEOUT:-300} python3 -m compiledllm bench recipes/bench_llada8b.yaml --set compile=$COMPILE $sets \
       --prompt-len ${FLASH_PROMPT:-512} --output-len ${FLASH_OUTPUTS:-256,512} --batch ${FLASH_BATCHES:-1,8,32} \
