@@ -21,7 +21,8 @@
 # HERALD_TESTS=0 / HERALD_CEILINGS=0: skip the GPU tests / the ceilings), heraldq (selection recall and exact match on
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
-# Fast-dLLM's no-cache / prefix / dual and flash_dllm, + verify, + fused cache; FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES)
+# Fast-dLLM's no-cache / prefix / dual and flash_dllm, + verify, separate cache path, logit tracker score;
+# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
