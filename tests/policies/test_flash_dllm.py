@@ -161,12 +161,14 @@ def test_refuses_a_block_causal_model_and_bad_settings(tmp_path):
         policy_config(flash(0.9, 4, 4) | {"verify_rule": "vote"})
 
 
-@pytest.mark.parametrize("verify,fused", [(False, False), (True, False), (False, True)],
-                         ids=["cache", "verify", "fused-cache"])
-def test_compiled_equals_eager(model, compile_kw, verify, fused):
+@pytest.mark.parametrize("verify,fused,score", [(False, False, "mass"), (True, False, "mass"), (False, True, "mass"),
+                                               (False, True, "logits")],
+                         ids=["cache", "verify", "fused-cache", "logit-score"])
+def test_compiled_equals_eager(model, compile_kw, verify, fused, score):
     ps = prompts([5, 2, 9, 3], seed=6)
     kw = dict(max_new_tokens=8, ignore_eos=True, **compile_kw)
-    policy = flash(0.6, 3, 2) | ({"verify": True, "gamma": 0.3} if verify else {}) | {"fused_cache": fused}
+    policy = (flash(0.6, 3, 2) | ({"verify": True, "gamma": 0.3} if verify else {})
+              | {"fused_cache": fused, "track_score": score})
     eager = Engine(model, EngineConfig(policy, **kw)).generate(ps)
     compiled = Engine(model, EngineConfig(policy, compile=True, **kw)).generate(ps)
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
