@@ -425,6 +425,14 @@ def test_kernel_groups_paged_tiles_and_splits(backend, tile, splits):
     check_rule_kernel(a, None, backend, tile=(TILES if backend == "cupy" else TRITON_TILES)[tile], splits=splits)
 
 
+def statistic_case(rule: str, source: str):
+    """(args, counted queries [B, Q]: about half, none in row 0) of the statistics' GPU tests."""
+    a, rows = rule_case(rule, source, B=3, S=700, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16, device="cuda")
+    queries = torch.rand(a.q.shape[:2], device="cuda") < 0.5
+    queries[0] = False
+    return a, queries if rows is None else queries & rows
+
+
 @gpu
 @needs_kernel
 @needs_triton
@@ -432,11 +440,7 @@ def test_kernel_groups_paged_tiles_and_splits(backend, tile, splits):
 @pytest.mark.parametrize("rule", ["block_causal", *GPU_RULES])
 def test_triton_attention_mass(rule, source):
     """The Triton mass op through packed.run against the reference's mass; deterministic."""
-    a, rows = rule_case(rule, source, B=3, S=700, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16, device="cuda")
-    queries = torch.rand(a.q.shape[:2], device="cuda") < 0.5
-    queries[0] = False
-    if rows is not None:
-        queries &= rows
+    a, queries = statistic_case(rule, source)
     _, _, mass = packed.run(a, return_lse=True, backend="triton", mass_queries=queries)
     _, _, ref_mass = reference(a, True, queries)
     torch.testing.assert_close(mass, ref_mass, rtol=1e-3, atol=1e-4)
@@ -459,11 +463,7 @@ def test_triton_attention_mass(rule, source):
 def test_triton_logit_score_in_the_attention_pass(rule, source):
     """The tracker score made by the attention kernel's own pass (packed_attention_scored) against the reference's;
     its out is the plain launch's; deterministic."""
-    a, rows = rule_case(rule, source, B=3, S=700, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16, device="cuda")
-    queries = torch.rand(a.q.shape[:2], device="cuda") < 0.5
-    queries[0] = False
-    if rows is not None:
-        queries &= rows
+    a, queries = statistic_case(rule, source)
     out, _, score = packed.run(a, backend="triton", mass_queries=queries, mass_logits=True)
     plain, _, _ = packed.run(a, backend="triton")
     _, _, ref = reference(a, mass_queries=queries, mass_logits=True)

@@ -228,11 +228,10 @@ def attention() -> None:
             assert (out[0] == 0).all() and (lse[0] == float("-inf")).all() and lse[1].isfinite().all()
 
 
-def mass() -> None:
-    """The per-key attention mass against the reference's, from the kernel's own lse, over query masks with some
-    (or all) queries left out; keys no counted query sees get exactly 0. Per KV head too ([B, KVH, S + Q], one row
-    tile per KV head or several): against the reference's, summing over KV heads to the summed mass."""
-    g = torch.Generator().manual_seed(1)
+def _statistic_cases(seed: int):
+    """(args, counted queries [B, Q] (the last row none), prefix per row, tile, splits) for the statistics' checks:
+    a block-causal case, then every rule case, each with some queries left out."""
+    g = torch.Generator().manual_seed(seed)
     cases = [(2, 45, 8, 4, 2, [45, 20], BlockCausal(4), None, TritonTile(16, 16, 4, 1), 2, None),
              *_rule_cases(g)]
     for B, S, Lq, H, KVH, prefix, rule, pool, tile, splits, rows in cases:
@@ -241,6 +240,16 @@ def mass() -> None:
         queries[-1] = False
         if rows is not None:
             queries &= rows
+        yield a, queries, prefix, tile, splits
+
+
+def mass() -> None:
+    """The per-key attention mass against the reference's, from the kernel's own lse, over query masks with some
+    (or all) queries left out; keys no counted query sees get exactly 0. Per KV head too ([B, KVH, S + Q], one row
+    tile per KV head or several): against the reference's, summing over KV heads to the summed mass."""
+    for a, queries, prefix, tile, splits in _statistic_cases(1):
+        B, Lq, H, _ = a.q.shape
+        S, KVH = a.keys, a.k_cache.shape[-2]
         _, lse = packed_attention_triton_launch(a, True, tile=tile, splits=splits)
         m = attention_mass_triton_launch(a, lse, queries, tile=tile)
         _, _, ref = reference(_f32(a), mass_queries=queries)
@@ -264,15 +273,9 @@ def score() -> None:
     """The tracker score made in the attention's own pass (SCORE): each key's raw scaled scores summed over the
     counted queries that see it and their heads, against the reference's, every rule and source, split-K and row
     tiles; keys nobody counted sees get exactly 0, and out is the plain launch's, bit for bit."""
-    g = torch.Generator().manual_seed(2)
-    cases = [(2, 45, 8, 4, 2, [45, 20], BlockCausal(4), None, TritonTile(16, 16, 4, 1), 2, None),
-             *_rule_cases(g)]
-    for B, S, Lq, H, KVH, prefix, rule, pool, tile, splits, rows in cases:
-        a = _rule_args(g, B, S, Lq, H, KVH, prefix, rule, pool)
-        queries = torch.rand(B, Lq, generator=g) < 0.6
-        queries[-1] = False
-        if rows is not None:
-            queries &= rows
+    for a, queries, prefix, tile, splits in _statistic_cases(2):
+        B, Lq = a.q.shape[:2]
+        S = a.keys
         out, _, sc = packed_attention_triton_launch(a, False, tile=tile, splits=splits, score_queries=queries)
         plain, _ = packed_attention_triton_launch(a, False, tile=tile, splits=splits)
         _, _, ref = reference(_f32(a), mass_queries=queries, mass_logits=True)
