@@ -92,6 +92,12 @@ def fused_qkv_rope_write(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, si
 
 if triton is not None:
     @triton.jit
+    def _store_halves(base, o1, o2, offs_h, in_m, HALF: tl.constexpr):
+        """A head's two halves (the dims RoPE pairs) into its D columns at base ([BLOCK_M, 1] row pointers)."""
+        tl.store(base + offs_h[None, :], o1, mask=in_m[:, None])
+        tl.store(base + HALF + offs_h[None, :], o2, mask=in_m[:, None])
+
+    @triton.jit
     def _qkv_rope_write(x_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, rows_ptr,
                         T, K, stride_x, stride_w,
                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, WRITE: tl.constexpr,
@@ -146,8 +152,7 @@ if triton is not None:
             base = k_ptr + offs_m[:, None] * (KVH * D) + (head - H) * D
         else:
             base = v_ptr + offs_m[:, None] * (KVH * D) + (head - H - KVH) * D
-        tl.store(base + offs_h[None, :], o1, mask=in_m[:, None])
-        tl.store(base + HALF + offs_h[None, :], o2, mask=in_m[:, None])
+        _store_halves(base, o1, o2, offs_h, in_m, HALF)
         if WRITE:
             if head >= H:  # k and v also into the pool rows (the spare row for a position not written)
                 r = tl.load(rows_ptr + offs_m, mask=in_m, other=0)
@@ -155,5 +160,4 @@ if triton is not None:
                     dst = kp_ptr + r[:, None] * (KVH * D) + (head - H) * D
                 else:
                     dst = vp_ptr + r[:, None] * (KVH * D) + (head - H - KVH) * D
-                tl.store(dst + offs_h[None, :], o1, mask=in_m[:, None])
-                tl.store(dst + HALF + offs_h[None, :], o2, mask=in_m[:, None])
+                _store_halves(dst, o1, o2, offs_h, in_m, HALF)
