@@ -39,12 +39,11 @@ from typing import Literal
 import torch
 
 from compiledllm.attention.spec import AttentionSpec, Bidirectional, QueryGroups
-from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import PolicyConfig, check_probability
-from compiledllm.policies.fast_dllm_cache import RefreshCachePolicy
 from compiledllm.policies.flash_verify import FlashVerify, VerifySettings, marks
 from compiledllm.policies.peer_rules import check_steps
 from compiledllm.policies.plan import Forward, Update, route_groups
+from compiledllm.policies.selective import SelectiveCachePolicy
 
 TRACK_FROM_LAYER = 2  # the tracker counts the layers past the first two
 
@@ -74,7 +73,7 @@ class FlashDLLMConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (p
         self.check_verify()
 
 
-class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
+class FlashDLLMPolicy(FlashVerify, SelectiveCachePolicy):
     name = "flash_dllm"
     cache = "Flash-dLLM's cache"
     config: FlashDLLMConfig
@@ -83,11 +82,6 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
         super().__init__(config, mask_id, bidirectional)
         if config.verify:
             self.phases = ("refresh", "decode", "verify")
-
-    # --- where KV lives ------------------------------------------------------------------------------------------
-    def kv_layout(self, model, slots: int, capacity: int):
-        self.layers = model.config.num_layers
-        return PooledLayout.for_model(model, slots, capacity)
 
     def queries(self, capacity: int) -> int:
         """Q: the decode forward's query slots (block, previous step's tokens, window ahead, tracked)."""
@@ -145,32 +139,6 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
                        logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live),
                        fused_cache=self.config.fused_cache)
 
-    @staticmethod
-    def cache_around(st, q_pos: torch.Tensor, q_live: torch.Tensor, act: torch.Tensor) -> tuple:
-        """(prefix_len [B], kv_index [B, T]): the cache everywhere but the live queries' positions, in position order
-        (the KV source a forward of these queries reads)."""
-        B, T = st.seq.shape
-        pos = torch.arange(T, device=st.seq.device).expand(B, T)
-        cached = (pos < st.work_len[:, None]) & ~marks(q_pos, q_live, T) & act[:, None]
-        order = torch.sort(torch.where(cached, pos, T + pos), dim=1).indices  # cached positions first, in order
-        return cached.sum(1), pool_index(order, T)
-
-    @staticmethod
-    def compact(member: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions [B, Q], live [B, Q]): the positions where `member` [B, T], in order, then padding."""
-        B, T = member.shape
-        pos = torch.arange(T, device=member.device).expand(B, T)
-        q_pos = torch.sort(torch.where(member, pos, T + pos), dim=1).values % T  # members first, in order
-        q_pos = q_pos[:, :Q] if Q <= T else torch.cat([q_pos, q_pos.new_zeros(B, Q - T)], 1)
-        return q_pos, torch.arange(Q, device=member.device)[None] < member.sum(1, keepdim=True)
-
-    def regions(self, st) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, T] each: every position, whether it is in the row's current block, whether in its working sequence."""
-        B, T = st.seq.shape
-        pos = torch.arange(T, device=st.seq.device).expand(B, T)
-        bs = st.block_start[:, None]
-        return pos, (pos >= bs) & (pos < bs + self.block_size), pos < st.work_len[:, None]
-
     def tracked(self, st, masked: torch.Tensor) -> torch.Tensor:
         """[B, T] bool: the `track` decoded positions outside the block and the last step's tokens that the masked
         queries attended to most in the last forward."""
@@ -209,18 +177,10 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
         accept, left = self.transfer(p, masked, idx, st)
         done = act & (accept.sum(1) == left)
         stats = st.policy["stats"]
-        mass = torch.zeros(B, T + 1, device=stats.device)
-        if phase == "refresh":  # the window is the working sequence, in order
-            mass[:, :T] = stats[:, :T]
-        else:  # the KV source through its index, then the window at the set's positions
-            rows = torch.arange(B, device=stats.device)[:, None]
-            order = fwd.attention.kv_index - rows * (T + 1)
-            mass.scatter_add_(1, order, stats[:, :T])
-            live = fwd.kv_write >= 0
-            mass.scatter_add_(1, torch.where(live, fwd.positions, T), torch.where(live, stats[:, T:], 0.0))
+        mass = self.position_mass(fwd.attention.stats, fwd, T)
         new = marks(idx, accept, T)
         state = {"fresh": torch.where(act, torch.ones_like(nfe), st.policy["fresh"]), "nfe": nfe + act.long(),
-                 "mass": torch.where(act[:, None], mass[:, :T], st.policy["mass"]),
+                 "mass": torch.where(act[:, None], mass, st.policy["mass"]),
                  "new": torch.where(act[:, None], new, st.policy["new"]), "stats": torch.zeros_like(stats)}
         if self.config.verify:  # what the verify forward checks: the drafts the rule left
             search = self.search_state(p, masked, accept, v)
@@ -229,25 +189,10 @@ class FlashDLLMPolicy(FlashVerify, RefreshCachePolicy):
         return Update(torch.where(masked, idx, -1), torch.where(accept, v, tokens), done.long(), state)
 
     # --- host ----------------------------------------------------------------------------------------------------
-    def on_blocks(self, host, rows):
-        h = host.state.setdefault("stale", set())
-        for s, n in zip(rows, host.st.steps[rows].tolist()):
-            if n == 0:  # just admitted: its first step is the refresh
-                h.add(s)
-
     def schedule(self, step):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
-        stale = step.state.get("stale", set())
-        rows = tuple(s for s in step.rows if s in stale)
-        stale.difference_update(rows)
-        return [PhaseRun("refresh", rows), *self.phases[1:]]
-
-    def on_move(self, host, src, dst):
-        stale = host.state.get("stale", set())
-        if src in stale:
-            stale.discard(src)
-            stale.add(dst)
+        return [PhaseRun("refresh", self.stale_rows(step)), *self.phases[1:]]
 
     def report(self, st, slot):
         out = {"nfe": int(st.policy["nfe"][slot])}
