@@ -55,10 +55,17 @@ class BlockDiffusionLM(ConfigFacts, nn.Module, ABC):
         self.layers; the decode step passes compiled regions of them)."""
         if fwd.route_groups is not None and fwd.route_index is None and block_routed(self):
             fwd = replace(fwd, route_index=route_index(fwd.route_groups))  # once, not per MoE layer
-        h = self.embed(fwd.tokens)
+        h = self.embed(fwd.tokens) if fwd.resume is None else None
         cos, sin = self.rotary.cos_sin(fwd.positions)
         for i, layer in enumerate(self.layers if layers is None else layers):
-            h = layer(h, self.rotary, cos, sin, fwd, None if kv is None else kv.layer(i))
+            view, here = None if kv is None else kv.layer(i), fwd
+            if fwd.resume is not None:
+                if i < fwd.resume.first:
+                    continue
+                h, here = resumed(fwd, i, h, view)
+            if fwd.keep_hidden:
+                view.write_hidden(here.kv_write, h)
+            h = layer(h, self.rotary, cos, sin, here, view)
         if fwd.logits_at is not None:
             h = h.gather(1, fwd.logits_at[..., None].expand(-1, -1, h.shape[-1]))
         h = self.norm(h)
@@ -82,3 +89,13 @@ class BlockDiffusionLM(ConfigFacts, nn.Module, ABC):
     @abstractmethod
     def hf_weight_map(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the parameter (or view of one) it loads into."""
+
+
+def resumed(fwd: Forward, i: int, h: torch.Tensor | None, view) -> tuple[torch.Tensor, Forward]:
+    """Layer i of a forward that resumes inside the model (Forward.resume): its input (the kept one for the rows
+    resuming here, else what the layers before computed) and the forward as layer i sees it (no K/V or input
+    written for a row that resumes at a later layer)."""
+    at = fwd.resume.at
+    kept = view.read_hidden(fwd.positions)
+    h = kept if h is None else torch.where((at == i)[:, None, None], kept, h)
+    return h, replace(fwd, kv_write=torch.where(at[:, None] <= i, fwd.kv_write, -1))

@@ -41,6 +41,21 @@ class Forward:
     # the projection writes the K/V itself, before the attention (Flash-Cache's fused kernel, models/qkv_kernel.py):
     # only for a forward whose attention reads none of the positions it writes
     fused_cache: bool = False
+    # the store also keeps each layer's input (a store with hidden pools, kv/pooled.py): each layer writes its input
+    # at the positions it writes K/V at (Elastic-Cache, policies/elastic_cache.py)
+    keep_hidden: bool = False
+    resume: Resume | None = None  # a forward that starts inside the model, from those kept inputs
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A forward that starts at a layer: layers before `first` do not run; row b's input to layer at[b] (>= first)
+    is the store's kept input of that layer at the forward's positions, and the layers before at[b] write neither
+    K/V nor inputs for it (what they compute for it is discarded). `first` is a number, one per captured phase;
+    at [B] long is data."""
+
+    first: int
+    at: torch.Tensor
 
 
 @dataclass(frozen=True)
