@@ -15,6 +15,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on Python < 3
 from compiledllm.errors import UserError
 from compiledllm.policies.base import Policy, PolicyConfig
 from compiledllm.policies.edits import EditRecord
+from compiledllm.policies.elastic_cache import ElasticCacheConfig, ElasticCachePolicy
 from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
 from compiledllm.policies.flash_dllm import FlashDLLMConfig, FlashDLLMPolicy
 from compiledllm.policies.flowblock import FlowBlockConfig, FlowBlockPolicy
@@ -32,6 +33,7 @@ POLICIES: dict[str, tuple[type[PolicyConfig], type[Policy]]] = {
     "flowblock_sync": (FlowBlockSyncConfig, FlowBlockSyncPolicy),
     "fast_dllm_cache": (FastDLLMCacheConfig, FastDLLMCachePolicy),
     "flash_dllm": (FlashDLLMConfig, FlashDLLMPolicy),
+    "elastic_cache": (ElasticCacheConfig, ElasticCachePolicy),
     "mage": (MageConfig, MagePolicy),
     "herald": (HeraldConfig, HeraldPolicy),
     "infinigen": (InfiniGenConfig, InfiniGenPolicy),
