@@ -21,7 +21,7 @@
 # HERALD_TESTS=0 / HERALD_CEILINGS=0: skip the GPU tests / the ceilings), heraldq (selection recall and exact match on
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
-# Fast-dLLM's no-cache / prefix / dual and flash_dllm, + verify, separate cache path, logit tracker score;
+# Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -264,7 +264,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   done
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
-  timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py \
+  timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
     tests/policies/test_block_verify.py tests/policies/test_prefix_cache.py "tests/attention/test_packed_attention.py::test_triton_logit_score_in_the_attention_pass" -p no:cacheprovider 2>&1 \
     | tee "$OUT/flash_tests.log" | tail -6
   timeout ${QKV_TIMEOUT:-150} python3 tools/bench/bench_qkv_cache.py --out "$OUT/bench_qkv_cache_h200.json" 2>&1 \
@@ -272,10 +272,12 @@ if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dL
 fi
 if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights), Fast-dLLM's fixed-step mode, every
   # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
+  # Elastic-Cache (elastic),
   # flash_dllm (fused cache kernel), + Flash-Verify, with the separate cache path (flashs), with the tracker's logit
   # score made in the attention's pass (flashl); FLASH_POLICIES picks
-  for p in ${FLASH_POLICIES:-nocache prefix dual flash flashv flashs flashl}; do
+  for p in ${FLASH_POLICIES:-nocache prefix dual elastic flash flashv flashs flashl}; do
     case $p in
+      elastic) sets="--set policy.name=elastic_cache" ;;
       nocache) sets="--set policy.name=threshold --set policy.rule=fast_dllm" ;;
       prefix) sets="--set policy.name=fast_dllm_cache" ;;
       dual) sets="--set policy.name=fast_dllm_cache --set policy.dual=true" ;;
