@@ -243,6 +243,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
             pending[dst] = pending.pop(src)
 
     def report(self, st, slot):
-        n = int(st.policy["recomputes"][slot])
-        return {"nfe": int(st.policy["nfe"][slot]), "recomputes": n,
-                "recomputed_layers": round(int(st.policy["recomputed"][slot]) / n, 2) if n else 0.0}
+        """Forwards as the paper counts steps (a failed decode and its recompute: one), recomputes, and the layers
+        they recomputed in all (counts, so that a run's sum over requests means something)."""
+        return {"nfe": int(st.policy["nfe"][slot]), "recomputes": int(st.policy["recomputes"][slot]),
+                "recomputed_layers": int(st.policy["recomputed"][slot])}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_cases import BLOCK, CAPACITY, prompts, run
 from checkpoints import write_checkpoint
 
 import compiledllm
@@ -16,23 +17,10 @@ from compiledllm.errors import UserError
 from compiledllm.policies import make_policy, policy_config
 from compiledllm.policies.plan import Forward, Resume
 
-BLOCK, CAPACITY = 4, 40
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada", 6, n_layers=6))
-
-
-def prompts(lengths, seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
-
-
-def run(model, policy: dict, ps, batch: int, n: int = 16, **kw):
-    engine = Engine(model, EngineConfig(policy, max_new_tokens=n, batch_size=batch, max_seq_len=CAPACITY,
-                                        ignore_eos=True, **kw))
-    return engine.generate(ps)
 
 
 def elastic(tau: float, gamma: float, window: int = BLOCK, **kw) -> dict:
@@ -48,7 +36,8 @@ def test_gamma_one_recomputes_every_step_and_is_the_no_cache_decode(model, tau, 
     got = run(model, elastic(tau, 1.0), ps, batch)
     assert [r.output_ids for r in got] == want
     # every step after the first (the refresh) failed the test at layer 0 and recomputed all 6 layers
-    assert all(r.extra["recomputes"] == r.extra["nfe"] - 1 > 0 and r.extra["recomputed_layers"] == 6 for r in got)
+    for r in got:
+        assert r.extra["recomputes"] == r.extra["nfe"] - 1 > 0 and r.extra["recomputed_layers"] == 6 * (r.extra["nfe"] - 1)
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -75,11 +64,10 @@ def test_adaptive_recompute_from_deeper_layers_is_batch_invariant(model):
     assert [r.extra for r in batched] == [r.extra for r in alone]
     stats = engine.stats.policy  # the host's count (bench's policy_stats) == the rows' own
     assert stats["recomputes"] == sum(r.extra["recomputes"] for r in batched) > 0
-    assert stats["recompute_layers"] == pytest.approx(sum(r.extra["recomputed_layers"] * r.extra["recomputes"]
-                                                          for r in batched) / stats["recomputes"], abs=0.02)
+    assert stats["recompute_layers"] == pytest.approx(sum(r.extra["recomputed_layers"] for r in batched)
+                                                      / stats["recomputes"], abs=0.01)
     assert 0 <= stats["discarded_layers"] < 3  # at most the layers of a group of 3, before the row's own
-    depth = [r.extra["recomputed_layers"] for r in batched if r.extra["recomputes"]]
-    assert depth and any(d < 6 for d in depth), "no recompute started past layer 0"
+    assert stats["recompute_layers"] < 6, "no recompute started past layer 0"
     assert sum(r.extra["recomputes"] for r in batched) < sum(r.extra["nfe"] - 1 for r in batched)
     exact = run(model, elastic(0.5, 1.0), ps, 3)
     assert [r.output_ids for r in batched] != [r.output_ids for r in exact], "the cache changed nothing"

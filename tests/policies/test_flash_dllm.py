@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cache_cases import BLOCK, CAPACITY, prompts, run
 from checkpoints import write_checkpoint
 
 import compiledllm
@@ -17,23 +18,10 @@ from compiledllm.engine import Engine, EngineConfig
 from compiledllm.errors import UserError
 from compiledllm.policies import make_policy, policy_config
 
-BLOCK, CAPACITY = 4, 40
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("llada"), "llada", 6))
-
-
-def prompts(lengths, seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 96, (k,), generator=g).tolist() for k in lengths]
-
-
-def run(model, policy: dict, ps, batch: int, n: int = 16, **kw):
-    engine = Engine(model, EngineConfig(policy, max_new_tokens=n, batch_size=batch, max_seq_len=CAPACITY,
-                                        ignore_eos=True, **kw))
-    return engine.generate(ps)
 
 
 def flash(tau: float, ahead: int, track: int) -> dict:
