@@ -272,12 +272,13 @@ if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dL
 fi
 if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights), Fast-dLLM's fixed-step mode, every
   # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
-  # Elastic-Cache (elastic),
+  # Elastic-Cache (elastic; elastic5: gamma 0.5, fewer recomputes),
   # flash_dllm (fused cache kernel), + Flash-Verify, with the separate cache path (flashs), with the tracker's logit
   # score made in the attention's pass (flashl); FLASH_POLICIES picks
   for p in ${FLASH_POLICIES:-nocache prefix dual elastic flash flashv flashs flashl}; do
     case $p in
       elastic) sets="--set policy.name=elastic_cache" ;;
+      elastic5) sets="--set policy.name=elastic_cache --set policy.gamma=0.5" ;;
       nocache) sets="--set policy.name=threshold --set policy.rule=fast_dllm" ;;
       prefix) sets="--set policy.name=fast_dllm_cache" ;;
       dual) sets="--set policy.name=fast_dllm_cache --set policy.dual=true" ;;
