@@ -84,6 +84,10 @@ class ElasticCachePolicy(SelectiveCachePolicy):
     def first_layer(self, group: int) -> int:
         return group * self.layers // self.config.resume_groups
 
+    def phase_first(self, phase: str) -> int:
+        """The first layer a recompute phase runs."""
+        return self.first_layer(int(phase.removeprefix(RECOMPUTE)))
+
     def group_of(self, layer: int) -> int:
         """The recompute phase of a row that resumes at `layer`: the last whose first layer is at or before it."""
         return max(g for g in range(self.config.resume_groups) if self.first_layer(g) <= layer)
@@ -112,8 +116,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         fresh, pending = st.policy["fresh"] > 0, st.policy["pending"] > 0
         if phase == "decode":
             return st.active & fresh & ~pending
-        first = self.first_layer(int(phase.removeprefix(RECOMPUTE)))
-        return st.active & fresh & pending & (st.policy["at"] >= first)
+        return st.active & fresh & pending & (st.policy["at"] >= self.phase_first(phase))
 
     def window(self, st) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [B, W], live [B, W], left [B]): the first `window` masked positions of the block (padding past
@@ -144,8 +147,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         # refresh, recompute: the whole working sequence, no KV source; the recompute from each row's layer on
         live = working & act[:, None]
         spec = AttentionSpec(Bidirectional(st.work_len), stats=stats[..., :T], stats_queries=marks(w_pos, need, T))
-        resume = None if phase == "refresh" else Resume(self.first_layer(int(phase.removeprefix(RECOMPUTE))),
-                                                        st.policy["at"])
+        resume = None if phase == "refresh" else Resume(self.phase_first(phase), st.policy["at"])
         return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=w_pos, logits_rows=need,
                        keep_hidden=True, resume=resume, route_groups=route_groups(pos, self.block_size, live))
 
@@ -165,7 +167,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
     def update(self, phase, st, fwd, logits):
         act = self.acting(phase, st)
         T, L = st.seq.shape[1], self.layers
-        pos, in_block, working = self.regions(st)
+        working = self.regions(st)[2]
         w_pos, w_live, left = self.window(st)
         need = w_live & act[:, None]
         mass = self.position_mass(fwd.attention.stats.transpose(0, 1).sum(2), fwd, T)  # [B, L, T]

@@ -1,6 +1,7 @@
 """kv/pooled.py: per-layer pools read through an index (Fast-dLLM's dual cache reads a row's positions around a
 hole). Writes land at slot * (capacity + 1) + position from any view, -1 on the spare row; moves copy a slot's rows;
-the memory check's bytes are what allocate takes; the attention through pool_index reads the positions it names."""
+the memory check's bytes are what allocate takes; the attention through pool_index reads the positions it names; the
+layer-input pools (hidden > 0) are written, read, moved and counted the same way."""
 from __future__ import annotations
 
 import torch
@@ -56,3 +57,16 @@ def test_attention_through_pool_index_reads_the_positions_named():
     rows = pool_index(positions, S)
     dense, _, _ = reference(PackedArgs(q, pool[rows], vpool[rows], length, kw, vw, rule))
     torch.testing.assert_close(paged, dense, rtol=0, atol=0)
+
+
+def test_layer_inputs_are_written_read_moved_and_counted_like_the_kv():
+    lay = PooledLayout(2, 3, 8, 1, 4, torch.float32, torch.device("cpu"), hidden=5)
+    kv = lay.allocate()
+    assert lay.tiers()[0].nbytes == sum(p.numel() * p.element_size() for p in (*kv.k, *kv.v, *kv.hidden))
+    view = kv.rows(1, 3).layer(1)
+    h = torch.arange(2 * 2 * 5, dtype=torch.float32).view(2, 2, 5)
+    view.write_hidden(torch.tensor([[3, -1], [7, 2]]), h)
+    assert torch.equal(view.read_hidden(torch.tensor([[3], [2]])), h[[0, 1], [0, 1]][:, None])
+    assert torch.equal(kv.hidden[1][9 + 3], h[0, 0]) and not kv.hidden[0].any()  # slot 1, layer 1 only
+    kv.move(1, 0, 4)
+    assert torch.equal(kv.hidden[1][3], h[0, 0])
