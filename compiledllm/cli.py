@@ -212,7 +212,8 @@ class StartupRow:
 PROMPT_HELP = "A text prompt (repeatable): with a MODEL, the run's prompts; with a recipe, they replace its prompts."
 PROMPTS_HELP = ("JSONL prompts, one {text | ids | messages} a line: with a MODEL, the run's prompts (after any "
                 "--prompt); with a recipe, they replace its prompts and prompts_file.")
-POLICY_HELP = "With a MODEL: the policy's name (threshold, t2t, flowblock, flowblock_sync; default threshold)."
+POLICY_HELP = ("With a MODEL: the policy's name (threshold, t2t, flowblock, flowblock_sync, fast_dllm_cache, flash_dllm, "
+               "elastic_cache, mage, herald, infinigen; default threshold).")
 TARGET_HELP = ("A recipe YAML file, or a MODEL: a built-in name (tiny-llada2, ...), a checkpoint directory or a "
                "Hugging Face ORG/NAME, with --prompt / --prompts (the recipe's other keys take their defaults).")
 

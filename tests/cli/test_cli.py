@@ -284,6 +284,14 @@ def test_help_names_what_the_tool_does():
     assert "serve" in res.output.split("Commands")[1]  # the command it names is there
 
 
+def test_the_policy_option_names_every_registered_policy():
+    from compiledllm.cli import POLICY_HELP
+    from compiledllm.policies import POLICIES
+
+    named = set(POLICY_HELP.split("(")[1].split(";")[0].split(", "))
+    assert named == set(POLICIES), named ^ set(POLICIES)
+
+
 @pytest.mark.parametrize("level", ["loud", "", "WARN"])
 def test_bad_log_level_is_one_line(level):
     assert_user_error(run_cli("--log-level", level, "version"), "--log-level", repr(level))
