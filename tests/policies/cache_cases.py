@@ -18,3 +18,9 @@ def run(model, policy: dict, ps, batch: int, n: int = 16, **kw):
     engine = Engine(model, EngineConfig(policy, max_new_tokens=n, batch_size=batch, max_seq_len=CAPACITY,
                                         ignore_eos=True, **kw))
     return engine.generate(ps)
+
+
+def no_cache_outputs(model, ps, batch: int, tau: float, **kw) -> list[list[int]]:
+    """The tokens an exact setting of a cache must give: `threshold` with Fast-dLLM's rule, no cache."""
+    policy = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau} | kw
+    return [r.output_ids for r in run(model, policy, ps, batch)]

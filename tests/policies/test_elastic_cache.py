@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_cases import BLOCK, CAPACITY, prompts, run
+from cache_cases import BLOCK, CAPACITY, no_cache_outputs, prompts, run
 from checkpoints import write_checkpoint
 
 import compiledllm
@@ -31,10 +31,8 @@ def elastic(tau: float, gamma: float, window: int = BLOCK, **kw) -> dict:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_gamma_one_recomputes_every_step_and_is_the_no_cache_decode(model, tau, batch):
     ps = prompts([5, 9, 3, 12, 7])
-    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau}
-    want = [r.output_ids for r in run(model, nocache, ps, batch)]
     got = run(model, elastic(tau, 1.0), ps, batch)
-    assert [r.output_ids for r in got] == want
+    assert [r.output_ids for r in got] == no_cache_outputs(model, ps, batch, tau)
     # every step after the first (the refresh) failed the test at layer 0 and recomputed all 6 layers
     for r in got:
         steps = r.extra["nfe"] - 1
@@ -44,10 +42,8 @@ def test_gamma_one_recomputes_every_step_and_is_the_no_cache_decode(model, tau, 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_fixed_steps_at_gamma_one_are_the_no_cache_fixed_steps(model, steps):
     ps = prompts([5, 9, 3], seed=5)
-    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": 0.0, "steps": steps}
-    want = [r.output_ids for r in run(model, nocache, ps, 2)]
     got = run(model, elastic(0.0, 1.0, steps=steps), ps, 2)
-    assert [r.output_ids for r in got] == want
+    assert [r.output_ids for r in got] == no_cache_outputs(model, ps, 2, 0.0, steps=steps)
     assert [r.extra["nfe"] for r in got] == [16 // BLOCK * steps] * 3
 
 

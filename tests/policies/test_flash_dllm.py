@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cache_cases import BLOCK, CAPACITY, prompts, run
+from cache_cases import BLOCK, CAPACITY, no_cache_outputs, prompts, run
 from checkpoints import write_checkpoint
 
 import compiledllm
@@ -32,10 +32,8 @@ def flash(tau: float, ahead: int, track: int) -> dict:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_position_recomputed_is_the_no_cache_decode(model, tau, batch):
     ps = prompts([5, 9, 3, 12, 7])
-    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": tau}
-    want = [r.output_ids for r in run(model, nocache, ps, batch)]
     got = run(model, flash(tau, CAPACITY, CAPACITY), ps, batch)
-    assert [r.output_ids for r in got] == want
+    assert [r.output_ids for r in got] == no_cache_outputs(model, ps, batch, tau)
     assert all(r.extra["nfe"] > 0 for r in got)
 
 
@@ -44,10 +42,8 @@ def test_fixed_steps_recomputing_every_position_are_the_no_cache_fixed_steps(mod
     """With `steps` (Fast-dLLM's fixed-step mode, threshold unused) and every position recomputed: threshold's rule
     fast_dllm with the same `steps`, token for token, and a block of 4 costs `steps` forwards."""
     ps = prompts([5, 9, 3], seed=5)
-    nocache = {"name": "threshold", "rule": "fast_dllm", "block_size": BLOCK, "threshold": 0.0, "steps": steps}
-    want = [r.output_ids for r in run(model, nocache, ps, 2)]
     got = run(model, flash(0.0, CAPACITY, CAPACITY) | {"steps": steps}, ps, 2)
-    assert [r.output_ids for r in got] == want
+    assert [r.output_ids for r in got] == no_cache_outputs(model, ps, 2, 0.0, steps=steps)
     assert [r.extra["nfe"] for r in got] == [16 // BLOCK * steps] * 3
 
 
