@@ -5,15 +5,20 @@ code is not public; this follows the paper's description, with the choices below
 * phase "refresh", once, at a request's first step: one forward of the whole working sequence writes every
   position's K/V and every layer's input (the store keeps both, kv/pooled.py); its logits make the first transfer.
 * phase "decode", every later step: the query set is the sliding window (the first `window` masked positions of
-  the block, the ones decoded) and the positions decoded in the previous step, each recomputed (K/V and layer
-  inputs written), attending to the cache everywhere else: the prompt, earlier tokens and the masked positions
-  past the window as the last recompute left them (the paper's block-wise cached off-window MASK).
-* the drift test, per layer: the `watch` keys that the window's masked queries attended to most in the previous
-  step at that layer (softmax mass summed over heads and queries, AttentionSpec's per-layer statistics), and the
-  cosine between that step's and this step's mass on them. The cache holds while it is > `gamma` at every layer;
-  at the first layer where it is not, that layer and every deeper one are recomputed for every position (the
-  paper's depth-aware schedule: shallow layers keep their cache). The paper watches "the most-attended token"; a
-  cosine needs several, so `watch` of them (default 8).
+  the block, the ones decoded), the positions decoded in the previous step and the watched tokens (below), each
+  recomputed (K/V and layer inputs written), attending to the cache everywhere else: the prompt, earlier tokens
+  and the masked positions past the window as the last recompute left them (the paper's block-wise cached
+  off-window MASK).
+* the watched tokens: per layer, the `watch` (default 1: the paper's "most-attended token") positions the window's
+  masked queries attended to most in the last step (softmax mass summed over heads and queries, AttentionSpec's
+  per-layer statistics), united over the layers. They are recomputed each step, so their K/V drift shows in the
+  attention they get; the paper's point is that theirs drifts least, a lower bound for every other token's.
+* the drift test, per layer: the cosine between the last step's and this step's mass on the watched tokens, a
+  vector over (KV head, watched token) (over the tokens alone one watched token would always give 1). The cache
+  holds while it is > `gamma` at every layer; at the first layer where it is not, that layer and every
+  deeper one are recomputed for every position (the paper's depth-aware schedule: shallow layers keep their
+  cache; "from a chosen layer onward": here the failing layer's outputs are recomputed too, the layer whose inputs
+  are the first to change).
 * phase "recompute<g>" (deferred): the layers from the failing layer on need every position's input to it, which
   only the decode forward wrote for its queries. So the decode that fails accepts nothing and marks the row; at
   the next step the row's recompute forward resumes there (Forward.resume) over the whole working sequence, from
@@ -51,7 +56,7 @@ class ElasticCacheConfig(PolicyConfig):
     steps: int | None = None  # Fast-dLLM's fixed-step mode, a fixed count a step (policies/fast_dllm_cache.py)
     window: int = 16  # the sliding window: the first masked positions of the block, decoded and recomputed
     gamma: float = 0.9  # the cache holds while the watched keys' attention has cosine > gamma at every layer
-    watch: int = 8  # the most-attended keys per layer the drift test compares
+    watch: int = 1  # the most-attended tokens per layer recomputed each step and compared by the drift test
     resume_groups: int = 4  # recompute phases (first layers 0, L/G, ...): fewer graphs, more layers run for nothing
 
     def __post_init__(self) -> None:
@@ -102,12 +107,17 @@ class ElasticCachePolicy(SelectiveCachePolicy):
     def capacity_state(self, batch, capacity, device):
         # stats: the per-(layer, KV head) mass of a forward (its KV source, then its window); prev: per layer the
         # mass each position got in the last step (the drift test's reference); held: a failed decode's, kept for
-        # the layers its recompute does not run; new: the positions decoded in the last step
-        L, Q = self.layers, 2 * self.config.window
-        return {"stats": torch.zeros(batch, L, self.kv_heads, capacity + Q, device=device),
-                "prev": torch.zeros(batch, L, capacity, device=device),
-                "held": torch.zeros(batch, L, capacity, device=device),
-                "new": torch.zeros(batch, capacity, dtype=torch.bool, device=device)}
+        # the layers its recompute does not run; new: the positions decoded in the last step; watched: the tokens
+        # the drift test compares
+        L, KVH, Q = self.layers, self.kv_heads, self.queries(capacity)
+        flags = lambda: torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # noqa: E731
+        return {"stats": torch.zeros(batch, L, KVH, capacity + Q, device=device),
+                "prev": torch.zeros(batch, L, KVH, capacity, device=device),
+                "held": torch.zeros(batch, L, KVH, capacity, device=device), "new": flags(), "watched": flags()}
+
+    def queries(self, capacity: int) -> int:
+        """Q: the decode forward's query slots (window, previous step's tokens, watched tokens)."""
+        return 2 * self.config.window + min(self.layers * self.config.watch, capacity)
 
     # --- the step ------------------------------------------------------------------------------------------------
     def acting(self, phase, st):
@@ -134,8 +144,8 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         need = w_live & act[:, None]
         stats = st.policy["stats"].transpose(0, 1)  # [L, B, KVH, S + Q], as the attention fills it
         if phase == "decode":
-            member = (marks(w_pos, need, T) | (st.policy["new"] & working)) & act[:, None]
-            q_pos, q_live = self.compact(member, 2 * self.config.window)
+            member = (marks(w_pos, need, T) | ((st.policy["new"] | st.policy["watched"]) & working)) & act[:, None]
+            q_pos, q_live = self.compact(member, self.queries(T))
             prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
             see = 1 << torch.arange(2, dtype=torch.int32, device=st.seq.device)  # padding sees only itself
             spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
@@ -151,14 +161,19 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=w_pos, logits_rows=need,
                        keep_hidden=True, resume=resume, route_groups=route_groups(pos, self.block_size, live))
 
-    def drift_layer(self, prev: torch.Tensor, now: torch.Tensor, working: torch.Tensor) -> torch.Tensor:
-        """[B] long: the first layer whose watched keys' attention moved (cosine <= gamma), the layer count if none.
-        prev, now [B, L, T]: per layer the mass each position got in the last step and in this one."""
-        B, L, T = prev.shape
-        top = torch.topk(prev.masked_fill(~working[:, None], float("-inf")), min(self.config.watch, T), dim=2)
-        kept = top.values > float("-inf")
-        a = torch.where(kept, top.values, 0.0)
-        b = torch.where(kept, now.gather(2, top.indices), 0.0)
+    def watch(self, mass: torch.Tensor, working: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: per layer the `watch` positions of largest mass [B, L, KVH, T] (its heads summed), united
+        over the layers."""
+        T = mass.shape[-1]
+        top = torch.topk(mass.sum(2).masked_fill(~working[:, None], float("-inf")), min(self.config.watch, T), dim=2)
+        return marks(top.indices.flatten(1), (top.values > float("-inf")).flatten(1), T)
+
+    def drift_layer(self, prev: torch.Tensor, now: torch.Tensor, watched: torch.Tensor) -> torch.Tensor:
+        """[B] long: the first layer whose watched tokens' attention moved (cosine <= gamma), the layer count if
+        none. prev, now [B, L, KVH, T]: per (layer, KV head) the mass each position got in the last step and in this
+        one; watched [B, T] bool."""
+        B, L = prev.shape[:2]
+        a, b = (torch.where(watched[:, None, None], m, 0.0).flatten(2) for m in (prev, now))
         norms = a.norm(dim=2) * b.norm(dim=2)
         cos = torch.where(norms > 0, (a * b).sum(2) / norms.clamp(min=1e-30), 1.0).clamp(max=1.0)
         layer = torch.arange(L, device=prev.device).expand(B, L)
@@ -170,16 +185,16 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         working = self.regions(st)[2]
         w_pos, w_live, left = self.window(st)
         need = w_live & act[:, None]
-        mass = self.position_mass(fwd.attention.stats.transpose(0, 1).sum(2), fwd, T)  # [B, L, T]
+        mass = self.position_mass(fwd.attention.stats.transpose(0, 1), fwd, T)  # [B, L, KVH, T]
         at = st.policy["at"]
         failed = torch.zeros_like(act)
         if phase == "decode":
-            drift = self.drift_layer(st.policy["prev"], mass, working)
+            drift = self.drift_layer(st.policy["prev"], mass, st.policy["watched"])
             failed = act & (drift < L)
             at = torch.where(failed, drift, at)
         elif phase != "refresh":  # the layers the recompute did not run keep the failed decode's mass
-            mass = torch.where(torch.arange(L, device=mass.device)[None, :, None] >= at[:, None, None], mass,
-                               st.policy["held"])
+            ran = torch.arange(L, device=mass.device)[None, :, None, None] >= at[:, None, None, None]
+            mass = torch.where(ran, mass, st.policy["held"])
         nfe = st.policy["nfe"]
         v, p = self.choose(logits, need, self.noise_keys(st, w_pos, nfe))
         accept = self.transfer(p, need, st, left) & ~failed[:, None]
@@ -191,9 +206,10 @@ class ElasticCachePolicy(SelectiveCachePolicy):
                  "pending": torch.where(act, failed.long(), st.policy["pending"]), "at": at,
                  "recomputes": st.policy["recomputes"] + recompute.long(),
                  "recomputed": st.policy["recomputed"] + torch.where(recompute, L - at, 0),
-                 "prev": torch.where(kept[:, None, None], mass, st.policy["prev"]),
-                 "held": torch.where(failed[:, None, None], mass, st.policy["held"]),
+                 "prev": torch.where(kept[:, None, None, None], mass, st.policy["prev"]),
+                 "held": torch.where(failed[:, None, None, None], mass, st.policy["held"]),
                  "new": torch.where(kept[:, None], marks(w_pos, accept, T), st.policy["new"]),
+                 "watched": torch.where(kept[:, None], self.watch(mass, working), st.policy["watched"]),
                  "stats": torch.zeros_like(st.policy["stats"])}
         return Update(torch.where(need, w_pos, -1), torch.where(accept, v, tokens), done.long(), state)
 

@@ -104,19 +104,27 @@ def test_a_forward_resumed_at_any_layer_of_an_unchanged_sequence_is_the_full_for
     assert not torch.allclose(moved, full, rtol=1e-3, atol=1e-3)
 
 
-def test_the_drift_test_picks_the_first_layer_whose_watched_keys_moved(model):
-    policy = make_policy(policy_config(elastic(0.9, 0.9, watch=2)), model.mask_token_id, bidirectional=True)
+def test_the_watched_tokens_and_the_first_layer_whose_attention_on_them_moved(model):
+    """Watched: each layer's most-attended working position (heads summed), united over the layers. The drift test:
+    the first layer where the cosine of the last and this step's mass on the watched tokens, over (KV head, token),
+    is <= gamma; one watched token still gives a test, through its heads."""
+    policy = make_policy(policy_config(elastic(0.9, 0.9)), model.mask_token_id, bidirectional=True)
     policy.layers = 3
-    prev = torch.zeros(2, 3, 6)
-    prev[:, :, 1], prev[:, :, 4], prev[:, :, 5] = 3.0, 2.0, 0.5  # watched: keys 1 and 4 at every layer
-    now = prev.clone()
-    now[0, 1, 4] = 0.0  # row 0: layer 1's attention on key 4 is gone (cosine 0.83)
-    now[0, 2, 1] = 0.0
-    now[1, :, 5] = 9.0  # row 1: an unwatched key changed only
+    prev = torch.zeros(2, 3, 2, 6)  # [B, L, KVH, T]
+    prev[..., 1], prev[..., 4], prev[..., 5] = 3.0, 2.0, 0.5
+    prev[:, 2, :, 4] = 4.0  # layer 2's most attended is key 4, the other layers' key 1
     working = torch.ones(2, 6, dtype=torch.bool)
-    assert policy.drift_layer(prev, now, working).tolist() == [1, 3]
-    working[0, 4] = False  # key 4 outside the working sequence: not watched (key 5 is), so layer 2 fails first
-    assert policy.drift_layer(prev, now, working).tolist() == [2, 3]
+    assert policy.watch(prev, working)[0].nonzero().flatten().tolist() == [1, 4]
+    working[1, 1] = False  # outside the working sequence: never watched
+    assert policy.watch(prev, working)[1].nonzero().flatten().tolist() == [4]
+    watched = policy.watch(prev, torch.ones(2, 6, dtype=torch.bool))
+    now = prev.clone()
+    now[0, 1, :, 4] = 0.0  # row 0: layer 1's attention on key 4 is gone (cosine 0.83)
+    now[1, :, :, 5] = 9.0  # row 1: an unwatched key changed only
+    assert policy.drift_layer(prev, now, watched).tolist() == [1, 3]
+    watched[0, 4] = False  # key 4 not watched: layer 1 holds
+    now[0, 2, 0, 1] = 0.0  # layer 2: key 1's attention gone in one of its two heads (cosine 0.71)
+    assert policy.drift_layer(prev, now, watched).tolist() == [2, 3]
 
 
 def test_refuses_a_block_causal_model_and_bad_settings(tmp_path):
