@@ -165,7 +165,7 @@ class FlashDLLMPolicy(FlashVerify, SelectiveCachePolicy):
         return q_pos, q_live, counted, logits_at
 
     def update(self, phase, st, fwd, logits):
-        B, T = st.seq.shape
+        T = st.seq.shape[1]
         act = self.acting(phase, st)
         if phase == "verify":
             return self.verify_update(st, act, logits)
