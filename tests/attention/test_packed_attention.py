@@ -425,6 +425,14 @@ def test_kernel_groups_paged_tiles_and_splits(backend, tile, splits):
     check_rule_kernel(a, None, backend, tile=(TILES if backend == "cupy" else TRITON_TILES)[tile], splits=splits)
 
 
+def statistic_cases(test):
+    """The statistics' GPU tests: every rule the kernel runs, over every KV source."""
+    for mark in (pytest.mark.parametrize("rule", ["block_causal", *GPU_RULES]),
+                 pytest.mark.parametrize("source", SOURCES), needs_triton, needs_kernel, gpu):
+        test = mark(test)
+    return test
+
+
 def statistic_case(rule: str, source: str):
     """(args, counted queries [B, Q]: about half, none in row 0) of the statistics' GPU tests."""
     a, rows = rule_case(rule, source, B=3, S=700, Lq=64, H=16, KVH=4, D=128, dtype=torch.bfloat16, device="cuda")
@@ -433,11 +441,7 @@ def statistic_case(rule: str, source: str):
     return a, queries if rows is None else queries & rows
 
 
-@gpu
-@needs_kernel
-@needs_triton
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("rule", ["block_causal", *GPU_RULES])
+@statistic_cases
 def test_triton_attention_mass(rule, source):
     """The Triton mass op through packed.run against the reference's mass; deterministic."""
     a, queries = statistic_case(rule, source)
@@ -455,11 +459,7 @@ def test_triton_attention_mass(rule, source):
     torch.testing.assert_close(heads.sum(1), mass, rtol=1e-5, atol=1e-5)
 
 
-@gpu
-@needs_kernel
-@needs_triton
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("rule", ["block_causal", *GPU_RULES])
+@statistic_cases
 def test_triton_logit_score_in_the_attention_pass(rule, source):
     """The tracker score made by the attention kernel's own pass (packed_attention_scored) against the reference's;
     its out is the plain launch's; deterministic."""
