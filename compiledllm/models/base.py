@@ -62,7 +62,8 @@ class BlockDiffusionLM(ConfigFacts, nn.Module, ABC):
             if fwd.resume is not None:
                 if i < fwd.resume.first:
                     continue
-                h, here = resumed(fwd, i, h, view)
+                if fwd.resume.last is None or i <= fwd.resume.last:
+                    h, here = resumed(fwd, i, h, view)
             if fwd.keep_hidden:
                 view.write_hidden(here.kv_write, h)
             h = layer(h, self.rotary, cos, sin, here, view)

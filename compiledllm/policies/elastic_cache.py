@@ -93,6 +93,11 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         """The first layer a recompute phase runs."""
         return self.first_layer(int(phase.removeprefix(RECOMPUTE)))
 
+    def phase_last(self, phase: str) -> int:
+        """The last layer a row of a recompute phase may resume at (the next group's first, less one)."""
+        g = int(phase.removeprefix(RECOMPUTE)) + 1
+        return self.first_layer(g) - 1 if g < self.config.resume_groups else self.layers - 1
+
     def group_of(self, layer: int) -> int:
         """The recompute phase of a row that resumes at `layer`: the last whose first layer is at or before it."""
         return max(g for g in range(self.config.resume_groups) if self.first_layer(g) <= layer)
@@ -126,7 +131,8 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         fresh, pending = st.policy["fresh"] > 0, st.policy["pending"] > 0
         if phase == "decode":
             return st.active & fresh & ~pending
-        return st.active & fresh & pending & (st.policy["at"] >= self.phase_first(phase))
+        at = st.policy["at"]
+        return st.active & fresh & pending & (at >= self.phase_first(phase)) & (at <= self.phase_last(phase))
 
     def window(self, st) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [B, W], live [B, W], left [B]): the first `window` masked positions of the block (padding past
@@ -157,7 +163,8 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         # refresh, recompute: the whole working sequence, no KV source; the recompute from each row's layer on
         live = working & act[:, None]
         spec = AttentionSpec(Bidirectional(st.work_len), stats=stats[..., :T], stats_queries=marks(w_pos, need, T))
-        resume = None if phase == "refresh" else Resume(self.phase_first(phase), st.policy["at"])
+        resume = None if phase == "refresh" else Resume(self.phase_first(phase), st.policy["at"],
+                                                        self.phase_last(phase))
         return Forward(st.seq, pos, spec, kv_write=torch.where(live, pos, -1), logits_at=w_pos, logits_rows=need,
                        keep_hidden=True, resume=resume, route_groups=route_groups(pos, self.block_size, live))
 

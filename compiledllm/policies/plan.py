@@ -49,13 +49,14 @@ class Forward:
 
 @dataclass(frozen=True)
 class Resume:
-    """A forward that starts at a layer: layers before `first` do not run; row b's input to layer at[b] (>= first)
-    is the store's kept input of that layer at the forward's positions, and the layers before at[b] write neither
-    K/V nor inputs for it (what they compute for it is discarded). `first` is a number, one per captured phase;
-    at [B] long is data."""
+    """A forward that starts at a layer: layers before `first` do not run; row b's input to layer at[b] (within
+    [first, last]) is the store's kept input of that layer at the forward's positions, and the layers before at[b]
+    write neither K/V nor inputs for it (what they compute for it is discarded). `first` and `last` are numbers,
+    one pair per captured phase (past `last` no row resumes, so nothing is read); at [B] long is data."""
 
     first: int
     at: torch.Tensor
+    last: int | None = None  # None: any layer
 
 
 @dataclass(frozen=True)

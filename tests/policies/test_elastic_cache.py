@@ -99,6 +99,9 @@ def test_a_forward_resumed_at_any_layer_of_an_unchanged_sequence_is_the_full_for
     kept = torch.arange(B * (T + 1)) % (T + 1) < T  # not the spare rows, where the skipped writes land
     for a, b in zip(kv.k, k_before):
         torch.testing.assert_close(a[kept], b[kept], rtol=1e-5, atol=1e-5)
+    bounded = Resume(first, torch.tensor([first, 4, 4]), last=4)  # no row resumes past layer 4: nothing read there
+    again = model(Forward(tokens, pos, spec, kv_write=pos, keep_hidden=True, resume=bounded, float_logits=True), kv)
+    torch.testing.assert_close(again, full, rtol=1e-5, atol=1e-5)
     kv.hidden[L - 1].mul_(2.0)
     moved = model(Forward(tokens, pos, spec, kv_write=pos, resume=resume, float_logits=True), kv)
     assert not torch.allclose(moved, full, rtol=1e-3, atol=1e-3)
