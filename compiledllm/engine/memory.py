@@ -11,7 +11,12 @@ from compiledllm.kv.cache import Tier
 
 def available_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        # a process limited by torch.cuda.set_per_process_memory_fraction (a shared card) may use only its share
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+        if fraction < 1.0:
+            free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(device)))
+        return free
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)

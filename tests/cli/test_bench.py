@@ -183,6 +183,8 @@ def test_bench_max_batch_runs_on_the_gpu(tmp_path):
     # eager steps: a probe of thousands of rows then costs no CUDA-graph capture (with capture the test did not
     # finish in 130 s on the H200); and this process may use 3 % of the card (~4 GiB of an H200): the probe then
     # stops at a few hundred rows where the whole card took it past 5 minutes (the GPU list never got past it)
+    # (the probe's upper bound honours the fraction; memory cached by earlier tests would count against it)
+    torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(0.03)
     try:
         res = run_cli(write_recipe(tmp_path, model=model, cuda_graphs=False, compile=False), "--prompt-len", "64",

@@ -9,7 +9,7 @@ from checkpoints import write_checkpoint
 
 import compiledllm
 from compiledllm.engine import Engine, EngineConfig, generate
-from compiledllm.engine.memory import check_fits
+from compiledllm.engine.memory import available_bytes, check_fits
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import apply_update
 from compiledllm.errors import UserError
@@ -121,3 +121,17 @@ def test_one_constructor_from_a_recipe(tmp_path):
                                          compile="auto")
     assert not engine.compile  # auto, on the CPU
     assert engine.block == 4 and engine.policy.name == "t2t"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a per-process memory fraction is a CUDA setting")
+def test_available_bytes_honours_the_memory_fraction():
+    dev = torch.device("cuda")
+    whole = available_bytes(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.02)
+    try:
+        part = available_bytes(dev)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert part <= 0.02 * torch.cuda.mem_get_info(dev)[1] < whole

@@ -22,7 +22,7 @@
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
-# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES)
+# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu tests`, the whole list)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -262,6 +262,11 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
   done
+fi
+if has gpulist; then  # issue 31 item 6: every GPU test of the suite in one call, the slowest named
+  python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
+  timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests --durations=12 -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_list.log" | tail -22
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
   timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
