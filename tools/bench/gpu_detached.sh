@@ -4,17 +4,24 @@
 # brings back at most 8 files). STAGES run one at a time in the order given (gpu_session.sh alone runs its own order).
 #   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
+# A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed). A stage's
+# $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
 set -uo pipefail
 RES=/tmp/gpu_results
 OUT=${OUT:-/tmp/out}
 mkdir -p "$RES" "$OUT"
 if [ "${START:-0}" = 1 ]; then
   rm -f "$RES/DONE"
-  setsid bash -c "for s in \$STAGES; do echo \"== stage \$s \$(date +%T)\"; OUT=$RES STAGES=\$s bash tools/bench/gpu_session.sh; done \
-    > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
+  if ! python3 -c "import pydantic" 2>/dev/null; then  # once, before stages that may run at once
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  setsid bash -c "for s in \$STAGES; do echo \"== stage \$s \$(date +%T)\"; for part in \${s//+/ }; do \
+    OUT=$RES STAGES=\$part bash tools/bench/gpu_session.sh & done; wait; done > $RES/session.log 2>&1; date +%T > $RES/DONE" \
+    < /dev/null &
 fi
 t0=$(date +%s)
 while [ ! -f "$RES/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-540}" ]; do sleep 5; done
-tar -czf "$OUT/results.tgz" -C "$RES" .
+tar -czf "$OUT/results.tgz" --exclude=./pkg -C "$RES" .
+[ -d "$RES/pkg" ] && cp "$RES"/pkg/* "$OUT"/
 [ -f "$RES/DONE" ] && echo "all stages done at $(cat "$RES/DONE")" || echo "still running"
 grep -v -i warn "$RES/session.log" | tail -n ${TAIL:-60}

@@ -22,7 +22,8 @@
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
-# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu tests`, the whole list)
+# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu tests`, the whole list),
+# trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -262,6 +263,13 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
   done
+fi
+if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped weights, a fresh schedule of a fixed
+  # step count (a plan from the first steps' time would stop at peak lr if another stage slows the GPU later)
+  timeout ${TRAIN_TIMEOUT:-590} python3 tools/train/train_tiny.py --kind tiny-llada --init-from compiledllm/assets/tiny-llada \
+    ${TRAIN_ARGS:---lr 2e-3 --warmup 50 --steps 6000 --decay-frac 0.5 --deadline 560 --eval quick} --out /tmp/runs/ll \
+    --package "$OUT/pkg" > "$OUT/train_tiny_llada.log" 2>&1
+  tail -n 4 "$OUT/train_tiny_llada.log"
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite in one call, the slowest named
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
