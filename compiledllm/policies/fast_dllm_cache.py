@@ -9,8 +9,11 @@ ends a whole number of blocks after it. Per block:
   length), no KV source) writes the KV of every position, and its logits at the block make the block's first
   transfer;
 * phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
-  block and everything after it, bidirectional among themselves, Q = the KV capacity, padding hidden) against the
-  cached prefix [0, block_start) as the refresh wrote it; nothing is written to the cache. With `dual: true`
+  block and everything after it, bidirectional among themselves, padding hidden) against the cached prefix
+  [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
+  window does, within static shapes: phase "decode" has Q = the KV capacity T, "decode1" .. "decode3" T / 2, T / 4,
+  T / 8 (whole blocks), and a step runs the smallest one that holds its rows' longest suffix (the host keeps each
+  row's suffix from its block's start: no sync of its own). With `dual: true`
   (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
   [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
   pool per layer read through an index (kv/pooled.py).
@@ -43,6 +46,8 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
+
+WINDOWS = 4  # the prefix cache's decode windows: the capacity, then its halves (one captured phase each)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,16 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     cache = "Fast-dLLM's prefix cache"
     config: FastDLLMCacheConfig
 
+    def __init__(self, config, mask_id, bidirectional=False):
+        super().__init__(config, mask_id, bidirectional)
+        if not config.dual:
+            self.phases = ("refresh", "decode", *(f"decode{k}" for k in range(1, WINDOWS)))
+
+    def window(self, phase: str, T: int) -> int:
+        """Query positions of a prefix-cache decode phase at capacity T: T / 2^k in whole blocks (k = its number)."""
+        k = int(phase.removeprefix("decode") or 0)
+        return min(T, -(-T // (self.block_size << k)) * self.block_size)
+
     # --- where KV lives ------------------------------------------------------------------------------------------
     def kv_layout(self, model, slots: int, capacity: int):
         if not self.config.dual:
@@ -142,9 +157,9 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
                                  prefix_len=(st.work_len - Bk).clamp(min=0), kv_index=pool_index(around, T))
             return Forward(st.seq.gather(1, idx), idx, spec, logits_rows=need,
                            route_groups=route_groups(idx, Bk, act[:, None].expand_as(idx)))
-        # decode: [block_start, block_start + T) against the cached prefix [0, block_start); no KV written
+        # decode: [block_start, block_start + Q) against the cached prefix [0, block_start); no KV written
         length = (st.work_len - st.block_start).clamp(min=0)
-        window = torch.arange(T, device=dev)
+        window = torch.arange(self.window(phase, T), device=dev)
         pos = (st.block_start[:, None] + window).clamp(max=T - 1)
         live = (window < length[:, None]) & act[:, None]
         first = window[: self.block_size].expand(B, self.block_size)  # the block: the window's first Bk queries
@@ -167,7 +182,24 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     def schedule(self, step):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
-        return [PhaseRun("refresh", step.begun), "decode"]
+        if self.config.dual:
+            return [PhaseRun("refresh", step.begun), "decode"]
+        h = step.state
+        need = max((h["suffix"].get(s, h["T"]) for s in step.rows), default=0) if "T" in h else None
+        fits = [ph for ph in self.phases[1:] if need is not None and self.window(ph, h["T"]) >= need]
+        return [PhaseRun("refresh", step.begun), fits[-1] if fits else "decode"]
+
+    def on_blocks(self, host, rows):
+        if self.config.dual:
+            return
+        st, h = host.st, host.state
+        h["T"] = st.seq.shape[1]  # a row's longest window from now on: its suffix from this block's start
+        h.setdefault("suffix", {}).update(zip(rows, (st.work_len[rows] - st.block_start[rows]).tolist()))
+
+    def on_move(self, host, src, dst):
+        suffix = host.state.get("suffix", {})
+        if src in suffix:
+            suffix[dst] = suffix.pop(src)
 
     def report(self, st, slot):
         return {"nfe": int(st.policy["nfe"][slot])}

@@ -32,10 +32,21 @@ class RecordedPolicy(FastDLLMCachePolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.windows: list[str] = []  # the decode phase each step ran
+        self.suffixes: list[tuple[str, int, int]] = []  # per decode plan: (phase, query positions, longest suffix)
 
     def schedule(self, step):
         self.schedules.append((step.rows, step.begun))
-        return super().schedule(step)
+        out = super().schedule(step)
+        self.windows.append(out[-1])
+        return out
+
+    def plan(self, phase, st):
+        fwd = super().plan(phase, st)
+        if phase.startswith("decode") and not self.config.dual:  # the longest live suffix of the forward's rows
+            live = (st.work_len - st.block_start).clamp(min=0)[self.acting(phase, st)]
+            self.suffixes.append((phase, fwd.tokens.shape[1], int(live.max()) if live.numel() else 0))
+        return fwd
 
 
 class EveryRowRefreshConfig(FastDLLMCacheConfig):
@@ -314,3 +325,22 @@ def test_cuda_graphs_equal_eager(tmp_path, dtype, compile, dual):
     assert [r.output_ids for r in graphs] == [r.output_ids for r in eager]
     assert [r.extra["nfe"] for r in graphs] == [r.extra["nfe"] for r in eager]
     assert [r.steps for r in graphs] == [r.steps for r in eager]
+
+
+def test_prefix_window_shrinks_with_the_suffix(ckpt, literal):
+    """The prefix cache's decode window is the smallest of capacity, 1/2, 1/4, 1/8 (whole blocks) that holds the
+    step's longest suffix from its block's start, as Fast-dLLM's window shrinks with the blocks; batched with
+    admissions the tokens stay the literal's (the tests above cover every window through it)."""
+    model = compiledllm.load_model(ckpt)
+    ps, n, tau = prompts([5, 9, 2], seed=13), 12, 0.6
+    wants = expected(literal, ps, n, tau, eos=-1)
+    got, engine = run(model, policy(tau, name="fast_dllm_cache_recorded"), ps, n, batch=2, ignore_eos=True,
+                      buckets=(1, 2))
+    assert [r.output_ids for r in got] == [w for w, _ in wants]
+    pol = engine.policy
+    used = {q for _, q, _ in pol.suffixes}
+    assert used >= {16, 8, 4} and CAPACITY not in used, sorted(used)
+    smaller = dict(zip(pol.phases[1:], [*pol.phases[2:], None]))  # each window's next smaller one
+    for phase, q, longest in pol.suffixes:
+        assert q == pol.window(phase, CAPACITY) and longest <= q, (phase, q, longest)
+        assert smaller[phase] is None or pol.window(smaller[phase], CAPACITY) < longest, (phase, q, longest)
