@@ -13,7 +13,7 @@ ends a whole number of blocks after it. Per block:
   [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
   window does, within static shapes: phase "decode" has Q = the KV capacity T, "decode1" .. "decode3" T / 2, T / 4,
   T / 8 (whole blocks), and a step runs the smallest one that holds its rows' longest suffix (the host keeps each
-  row's suffix from its block's start: no sync of its own). With `dual: true`
+  row's suffix, read when its block begins, after the step's own sync). With `dual: true`
   (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
   [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
   pool per layer read through an index (kv/pooled.py).
