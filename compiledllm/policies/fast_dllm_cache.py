@@ -187,7 +187,11 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         h = step.state
         need = max((h["suffix"].get(s, h["T"]) for s in step.rows), default=0) if "T" in h else None
         fits = [ph for ph in self.phases[1:] if need is not None and self.window(ph, h["T"]) >= need]
-        return [PhaseRun("refresh", step.begun), fits[-1] if fits else "decode"]
+        phase = fits[-1] if fits else "decode"
+        if "T" in h:
+            steps = h.setdefault("windows", {})
+            steps[self.window(phase, h["T"])] = steps.get(self.window(phase, h["T"]), 0) + 1
+        return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
         if self.config.dual:
@@ -200,6 +204,11 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         suffix = host.state.get("suffix", {})
         if src in suffix:
             suffix[dst] = suffix.pop(src)
+
+    def host_stats(self, host) -> dict:
+        """The prefix cache's decode steps per window size (query positions): how far the window shrank."""
+        windows = host.state.get("windows")
+        return {"decode_windows": dict(sorted(windows.items(), reverse=True))} if windows else {}
 
     def report(self, st, slot):
         return {"nfe": int(st.policy["nfe"][slot])}

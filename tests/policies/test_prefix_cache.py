@@ -32,20 +32,23 @@ class RecordedPolicy(FastDLLMCachePolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        self.windows: list[str] = []  # the decode phase each step ran
-        self.suffixes: list[tuple[str, int, int]] = []  # per decode plan: (phase, query positions, longest suffix)
+        self.windows: list[tuple[str, int]] = []  # per step: (the decode phase it ran, its rows' longest suffix)
+        self.queries: list[tuple[str, int]] = []  # per prefix-cache decode plan: (phase, query positions)
+
+    def before_step(self, host, step):
+        rows = list(step.rows)  # the step's longest suffix from the block's start, from the state itself
+        self.longest = int((host.st.work_len[rows] - host.st.block_start[rows]).max()) if rows else 0
 
     def schedule(self, step):
         self.schedules.append((step.rows, step.begun))
         out = super().schedule(step)
-        self.windows.append(out[-1])
+        self.windows.append((out[-1], self.longest))
         return out
 
     def plan(self, phase, st):
         fwd = super().plan(phase, st)
-        if phase.startswith("decode") and not self.config.dual:  # the longest live suffix of the forward's rows
-            live = (st.work_len - st.block_start).clamp(min=0)[self.acting(phase, st)]
-            self.suffixes.append((phase, fwd.tokens.shape[1], int(live.max()) if live.numel() else 0))
+        if phase.startswith("decode") and not self.config.dual:
+            self.queries.append((phase, fwd.tokens.shape[1]))
         return fwd
 
 
@@ -332,15 +335,19 @@ def test_prefix_window_shrinks_with_the_suffix(ckpt, literal):
     step's longest suffix from its block's start, as Fast-dLLM's window shrinks with the blocks; batched with
     admissions the tokens stay the literal's (the tests above cover every window through it)."""
     model = compiledllm.load_model(ckpt)
-    ps, n, tau = prompts([5, 9, 2], seed=13), 12, 0.6
+    ps, n, tau = prompts([5, 9, 2], seed=3), 12, 0.6
     wants = expected(literal, ps, n, tau, eos=-1)
     got, engine = run(model, policy(tau, name="fast_dllm_cache_recorded"), ps, n, batch=2, ignore_eos=True,
                       buckets=(1, 2))
     assert [r.output_ids for r in got] == [w for w, _ in wants]
     pol = engine.policy
-    used = {q for _, q, _ in pol.suffixes}
+    assert all(q == pol.window(phase, CAPACITY) for phase, q in pol.queries)
+    used = {q for _, q in pol.queries}
     assert used >= {16, 8, 4} and CAPACITY not in used, sorted(used)
     smaller = dict(zip(pol.phases[1:], [*pol.phases[2:], None]))  # each window's next smaller one
-    for phase, q, longest in pol.suffixes:
-        assert q == pol.window(phase, CAPACITY) and longest <= q, (phase, q, longest)
-        assert smaller[phase] is None or pol.window(smaller[phase], CAPACITY) < longest, (phase, q, longest)
+    for phase, longest in pol.windows:
+        assert pol.window(phase, CAPACITY) >= longest, (phase, longest)
+        assert smaller[phase] is None or pol.window(smaller[phase], CAPACITY) < longest, (phase, longest)
+    windows = engine.stats.policy["decode_windows"]  # bench's policy_stats: decode steps per window size
+    assert windows == {q: sum(pol.window(ph, CAPACITY) == q for ph, _ in pol.windows) for q in windows}
+    assert sum(windows.values()) == len(pol.windows)
