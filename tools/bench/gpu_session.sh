@@ -273,7 +273,7 @@ if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped 
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite in one call, the slowest named
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
-  timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests --durations=12 -p no:cacheprovider 2>&1 \
+  timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -q -m gpu ${GPULIST_PATHS:-tests} --durations=12 -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu_list.log" | tail -22
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
