@@ -34,6 +34,7 @@ class RecordedPolicy(FastDLLMCachePolicy):
         self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.windows: list[tuple[str, int]] = []  # per step: (the decode phase it ran, its rows' longest suffix)
         self.queries: list[tuple[str, int]] = []  # per prefix-cache decode plan: (phase, query positions)
+        self.longest = 0  # the step's longest suffix (before_step)
 
     def before_step(self, host, step):
         rows = list(step.rows)  # the step's longest suffix from the block's start, from the state itself
