@@ -182,15 +182,14 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     def schedule(self, step):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
-        if self.config.dual:
-            return [PhaseRun("refresh", step.begun), "decode"]
         h = step.state
-        need = max((h["suffix"].get(s, h["T"]) for s in step.rows), default=0) if "T" in h else None
-        fits = [ph for ph in self.phases[1:] if need is not None and self.window(ph, h["T"]) >= need]
-        phase = fits[-1] if fits else "decode"
-        if "T" in h:
-            steps = h.setdefault("windows", {})
-            steps[self.window(phase, h["T"])] = steps.get(self.window(phase, h["T"]), 0) + 1
+        if self.config.dual or "T" not in h:
+            return [PhaseRun("refresh", step.begun), "decode"]
+        T = h["T"]
+        need = max((h["suffix"].get(s, T) for s in step.rows), default=0)
+        phase = [ph for ph in self.phases[1:] if self.window(ph, T) >= need][-1]  # the smallest that holds it
+        windows = h.setdefault("windows", {})
+        windows[self.window(phase, T)] = windows.get(self.window(phase, T), 0) + 1
         return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
