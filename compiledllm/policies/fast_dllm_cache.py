@@ -188,8 +188,8 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         T = h["T"]
         need = max((h["suffix"].get(s, T) for s in step.rows), default=0)
         phase = [ph for ph in self.phases[1:] if self.window(ph, T) >= need][-1]  # the smallest that holds it
-        windows = h.setdefault("windows", {})
-        windows[self.window(phase, T)] = windows.get(self.window(phase, T), 0) + 1
+        windows, q = h.setdefault("windows", {}), self.window(phase, T)
+        windows[q] = windows.get(q, 0) + 1
         return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
