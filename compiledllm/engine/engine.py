@@ -145,15 +145,17 @@ class Engine:
         return slots
 
     def session(self, slots: int | None = None, capacity: int | None = None, block_events: bool = True,
-                on_startup: Callable[[int, int, str], None] | None = None) -> EngineSession:
+                on_startup: Callable[[int, int, str], None] | None = None,
+                shortest: int | None = None) -> EngineSession:
         """A session of `slots` request slots (default batch_size) with `capacity` KV positions each (default
         max_seq_len, else what a prompt of one block and max_new_tokens needs): allocated and captured now.
-        on_startup(done, total, what): the compile / capture's progress, per (phase, bucket)."""
+        on_startup(done, total, what): the compile / capture's progress, per (phase, bucket); shortest: the fewest
+        positions a request of this session will need, where known (EngineSession)."""
         slots = self.slots_for(self.config.batch_size) if slots is None else slots
         if capacity is None:
             capacity = self.static.capacity if self.static else (
                 self.config.max_seq_len or working_length(self.block, self.max_new_tokens, self.block))
-        return EngineSession(self, slots, capacity, block_events, on_startup)
+        return EngineSession(self, slots, capacity, block_events, on_startup, shortest)
 
     def generate(self, prompts: list[list[int]], on_result: Callable[[GenerationResult], None] | None = None,
                  arrivals: Sequence[float] | None = None, request_ids: Sequence[int] | None = None,
@@ -191,14 +193,17 @@ class Engine:
             params = [params or RequestParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise UserError(f"params: {len(params)} settings for {len(prompts)} prompts")
-        capacity = self.capacity_for(prompts, [p.max_new_tokens or self.max_new_tokens for p in params])
-        return self._loop(prompts, arrivals, ids, params, capacity, block_events or any(p.stop for p in params),
-                          on_startup)
+        max_new = [p.max_new_tokens or self.max_new_tokens for p in params]
+        capacity = self.capacity_for(prompts, max_new)
+        shortest = min(working_length(len(p), n, self.block, self.policy.first_block(len(p)))
+                       for p, n in zip(prompts, max_new))
+        return self._loop(prompts, arrivals, ids, params, capacity, shortest,
+                          block_events or any(p.stop for p in params), on_startup)
 
     @torch.no_grad()
-    def _loop(self, prompts, arrivals, ids, params, capacity, block_events, on_startup) -> Iterator[Event]:
+    def _loop(self, prompts, arrivals, ids, params, capacity, shortest, block_events, on_startup) -> Iterator[Event]:
         session = self.session(self.slots_for(len(prompts)), capacity, block_events=block_events,
-                               on_startup=on_startup)
+                               on_startup=on_startup, shortest=shortest)
         self.startup_s, self.compile_cache = session.startup_s, session.compile_cache
         pending = deque(sorted(range(len(prompts)), key=arrivals.__getitem__))
         try:

@@ -49,14 +49,17 @@ class _Request:
     prefill: Progress | None = None
     first_block: float | None = None
     sent: int = 0                     # generated tokens already reported in BlockEvents
+    work_len: int = 0                 # its working sequence (st.work_len), set when it takes a slot
 
 
 class EngineSession:
     def __init__(self, engine, slots: int, capacity: int, block_events: bool = True,
-                 on_startup: Callable[[int, int, str], None] | None = None):
+                 on_startup: Callable[[int, int, str], None] | None = None, shortest: int | None = None):
         """engine: the Engine whose model, policy and settings this session runs; `slots` request slots with a KV
         capacity of `capacity` positions each; block_events: report BlockEvents (off: only FinishEvents; stop
-        strings then take effect when a request ends); on_startup: the compile / capture's progress (Stepper)."""
+        strings then take effect when a request ends); on_startup: the compile / capture's progress (Stepper);
+        shortest: the fewest positions any of its requests will need (default one block): the start-up compiles
+        and captures only the phases such requests can run (Policy.phases_for)."""
         self.engine, self.model, self.policy = engine, engine.model, engine.policy
         self.slots, self.capacity, self.block_events = slots, capacity, block_events
         self.block = self.policy.block_size
@@ -71,7 +74,8 @@ class EngineSession:
             buckets = [*buckets, slots]
         self.eos = -1 if cfg.ignore_eos else self.model.eos_token_id
         self.stepper = Stepper(self.model, self.policy, self.st, self.kv, buckets, engine.compile, engine.cuda_graphs,
-                               eos_id=self.eos, on_startup=on_startup)
+                               eos_id=self.eos, on_startup=on_startup,
+                               phases=self.policy.phases_for(capacity, shortest or self.block))
         static = engine.static
         self.prefiller = None if self.kv is None else Prefiller(self.model, self.block, cfg.prefill_chunk,
                                                                 cfg.prefill_tokens, static.buckets if static else None)
@@ -193,7 +197,8 @@ class EngineSession:
         if not decoding:
             self._counts.hooks(t)
             return events
-        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state)
+        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state,
+                        self.capacity, max(owner[s].work_len for s in decoding))
         policy.before_step(self.host, view)
         self._counts.hooks(t)
         t = time.perf_counter()
@@ -255,7 +260,8 @@ class EngineSession:
         st.seq[s].fill_(self.model.mask_token_id)
         st.seq[s, :P] = torch.tensor(req.prompt, device=st.seq.device)
         start = self.policy.first_block(P)
-        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, working_length(P, req.max_new, self.block, start), start
+        req.work_len = working_length(P, req.max_new, self.block, start)
+        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, req.work_len, start
         cached = self.policy.prefill_end(P) if self.kv is not None else 0
         st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
         st.key[s] = req.key  # its own noise: batch invariant

@@ -46,8 +46,11 @@ def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Reg
 
 
 def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | None = None) -> None:
-    """Every phase of one step, eagerly (the engine's Stepper runs them compiled or captured)."""
-    for ph in phases or policy.phases:
+    """One step's phases, eagerly (the engine's Stepper runs them compiled or captured); default
+    Policy.phases_for(capacity, capacity): a step's where every row fills the capacity (fast_dllm_cache, whose host
+    schedule picks one of its windows even then, would run them all: give it `phases`)."""
+    T = st.seq.shape[1]
+    for ph in phases or policy.phases_for(T, T):
         run_phase(model, policy, ph, st, kv)
 
 

@@ -36,12 +36,16 @@ log = logging.getLogger(__name__)
 class Stepper:
     def __init__(self, model, policy: Policy, st: SlotState, kv: KVStore | None, buckets: list[int], compile: bool,
                  cuda_graphs: bool, regional: bool = True, kernels: Kernels | None = None, eos_id: int | None = None,
-                 on_startup: Callable[[int, int, str], None] | None = None):
+                 on_startup: Callable[[int, int, str], None] | None = None, phases: Sequence[str] | None = None):
         """kernels: the implementations every forward uses instead of the policy's default (benchmarks' A/B);
         eos_id: the token that ends a request (default the model's; -1: none, every request runs to its length);
         on_startup(done, total, what): the start-up's progress, (phase, bucket) pieces compiled and / or captured
-        (called before each piece and once at the end; not at all when there is nothing to do before a step)."""
+        (called before each piece and once at the end; not at all when there is nothing to do before a step);
+        phases: those compiled / captured at start-up, and a step's when `run` is given none (default: one step's
+        where every row fills the capacity, Policy.phases_for); another phase runs uncaptured."""
         self.model, self.policy = model, policy
+        T = st.seq.shape[1]
+        self.phases = tuple(phases) if phases is not None else policy.phases_for(T, T)
         self.buckets = sorted(set(buckets))
         cache_dir = use_cache() if compile else None  # before the first compile (compile_cache.py)
         whole = compile and not regional
@@ -64,7 +68,7 @@ class Stepper:
         (later graphs reuse its pool memory); compiled only, up front, so that the first requests do not pay for
         it; else nothing. Returns its seconds (0: nothing ran)."""
         order = sorted(self.buckets, reverse=True) if cuda_graphs else self.buckets if self.compiled else []
-        pieces = [(ph, b) for b in order for ph in self.policy.phases]
+        pieces = [(ph, b) for b in order for ph in self.phases]
         if not pieces:
             return 0.0
         what = "compile + capture" if self.compiled and cuda_graphs else "capture" if cuda_graphs else "compile"
@@ -111,7 +115,7 @@ class Stepper:
     def run(self, rows: int, phases: Schedule | None = None, selected: torch.Tensor | None = None) -> None:
         """One step over (at least) the first `rows` slots: the given phases (default all) in order. A PhaseRun runs
         on its rows only, on the smallest bucket that holds them; `selected` (st.selected) takes its row mask."""
-        for ph in phases if phases is not None else self.policy.phases:
+        for ph in phases if phases is not None else self.phases:
             if isinstance(ph, PhaseRun):
                 if not ph.rows:
                     continue

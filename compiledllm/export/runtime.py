@@ -189,7 +189,12 @@ class ExportedModel(ConfigFacts):
         """float32 logits of fwd.logits_at (every row computed: the package has no row-selective head)."""
         rule, B = fwd.attention.rule, fwd.tokens.shape[0]
         if isinstance(rule, Bidirectional) and fwd.attention.prefix_len is None:
-            return self._runner(B)(fwd.tokens, fwd.positions, rule.length, fwd.logits_at)
+            tokens, positions, pad = fwd.tokens, fwd.positions, self.static_shapes.capacity - fwd.tokens.shape[1]
+            if pad > 0:  # a narrower window phase (policies/windows.py): the package takes the whole capacity
+                tokens = torch.cat([tokens, tokens.new_zeros(B, pad)], 1)
+                more = positions[:, -1:] + 1 + torch.arange(pad, device=positions.device)
+                positions = torch.cat([positions, more], 1)
+            return self._runner(B)(tokens, positions, rule.length, fwd.logits_at)
         bk = self.static_shapes.block
         if not (isinstance(rule, BlockCausal) and rule.block == bk and fwd.attention.prefix_len is not None
                 and fwd.attention.kv_index is None and fwd.attention.stats is None):

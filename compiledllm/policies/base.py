@@ -17,6 +17,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional
 from compiledllm.kv.store import DeviceKV
 from compiledllm.policies.plan import Forward, State, Update, route_groups, window_forward
 from compiledllm.policies.sampling import Sampling, noise_key, sampled_confidence
+from compiledllm.policies.windows import PHASES as WINDOW_PHASES, reachable, smallest, width
 from compiledllm.triton_support import triton_on_cuda
 
 if TYPE_CHECKING:
@@ -185,6 +186,12 @@ class Policy(ABC):
         `row_phases` may come as PhaseRun(phase, rows), and a phase left out does not run."""
         return self.phases
 
+    def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
+        """The phases a session of this KV capacity, whose requests each need at least `shortest` positions, can
+        run: those its start-up compiles and captures (default: all). With shortest = capacity, one step's phases
+        where no host hook chose among them (run_step)."""
+        return self.phases
+
     def on_blocks(self, host: HostContext, rows: list[int]) -> None:
         """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
         device work on host.side_stream. Default: none."""
@@ -209,7 +216,14 @@ class Policy(ABC):
 
 class BlockPolicy(Policy):
     """A policy that decodes one block per row at a time (`threshold`, `t2t`): its forward is the current block
-    against the cached prefix (block-causal models) or the whole working sequence (bidirectional models)."""
+    against the cached prefix (block-causal models) or the whole working sequence (bidirectional models), the
+    latter through the narrowest window phase that holds the step's longest working sequence (policies/windows.py:
+    a session sized for long requests computes about its requests' lengths)."""
+
+    def __init__(self, config: PolicyConfig, mask_id: int, bidirectional: bool = False):
+        super().__init__(config, mask_id, bidirectional)
+        if bidirectional:
+            self.phases = WINDOW_PHASES
 
     def block_window(self, st: SlotState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(idx, tokens, gen) [B, Bk]: the block's positions, its tokens, and which are generated (changeable)."""
@@ -217,12 +231,15 @@ class BlockPolicy(Policy):
         idx = (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
         return idx, st.seq.gather(1, idx), idx >= st.prompt_len[:, None]
 
-    def block_forward(self, st: SlotState, idx: torch.Tensor, tokens: torch.Tensor, need: torch.Tensor) -> Forward:
-        if self.bidirectional:
+    def block_forward(self, st: SlotState, idx: torch.Tensor, tokens: torch.Tensor, need: torch.Tensor,
+                      phase: str = "decode") -> Forward:
+        if self.bidirectional:  # positions [0, W) of the window phase; the host ran it only where W holds work_len
             B, T = st.seq.shape
-            pos = torch.arange(T, device=st.seq.device).expand(B, T)
+            W = width(phase, T, self.block_size)
+            pos = torch.arange(W, device=st.seq.device).expand(B, W)
             live = (pos < st.work_len[:, None]) & st.active[:, None]  # past the working sequence: padding
-            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), logits_at=idx, logits_rows=need,
+            return Forward(st.seq[:, :W], pos, AttentionSpec(Bidirectional(st.work_len)),
+                           logits_at=idx.clamp(max=W - 1), logits_rows=need,
                            route_groups=route_groups(pos, self.block_size, live))
         # the block against the cached prefix; a finished row writes nothing and routes nowhere
         return window_forward(tokens, idx, st.block_start, self.block_size, st.active[:, None], logits_rows=need)
@@ -233,7 +250,15 @@ class BlockPolicy(Policy):
 
     def plan(self, phase: str, st: SlotState) -> Forward:
         idx, tokens, gen = self.block_window(st)
-        return self.block_forward(st, idx, tokens, self.needed(tokens, gen, st.policy))
+        return self.block_forward(st, idx, tokens, self.needed(tokens, gen, st.policy), phase)
+
+    def schedule(self, step: StepView) -> Schedule:
+        if not self.bidirectional:
+            return self.phases
+        return (smallest(step.capacity, self.block_size, step.longest),)
+
+    def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
+        return reachable(capacity, self.block_size, shortest) if self.bidirectional else self.phases
 
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)

@@ -11,9 +11,9 @@ ends a whole number of blocks after it. Per block:
 * phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
   block and everything after it, bidirectional among themselves, padding hidden) against the cached prefix
   [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
-  window does, within static shapes: phase "decode" has Q = the KV capacity T, "decode1" .. "decode3" T / 2, T / 4,
-  T / 8 (whole blocks), and a step runs the smallest one that holds its rows' longest suffix (the host keeps each
-  row's suffix, read when its block begins, after the step's own sync). With `dual: true`
+  window does, within static shapes: the window phases of policies/windows.py ("decode" Q = the KV capacity T,
+  "decode1" .. "decode3" T / 2, T / 4, T / 8), and a step runs the narrowest one that holds its rows' longest suffix
+  (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
   (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
   [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
   pool per layer read through an index (kv/pooled.py).
@@ -46,8 +46,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
-
-WINDOWS = 4  # the prefix cache's decode windows: the capacity, then its halves (one captured phase each)
+from compiledllm.policies.windows import PHASES as WINDOW_PHASES, smallest, width, windows
 
 
 @dataclass(frozen=True)
@@ -110,12 +109,10 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     def __init__(self, config, mask_id, bidirectional=False):
         super().__init__(config, mask_id, bidirectional)
         if not config.dual:
-            self.phases = ("refresh", "decode", *(f"decode{k}" for k in range(1, WINDOWS)))
+            self.phases = ("refresh", *WINDOW_PHASES)
 
-    def window(self, phase: str, T: int) -> int:
-        """Query positions of a prefix-cache decode phase at capacity T: T / 2^k in whole blocks (k = its number)."""
-        k = int(phase.removeprefix("decode") or 0)
-        return min(T, -(-T // (self.block_size << k)) * self.block_size)
+    def phases_for(self, capacity, shortest):  # every window: a row's suffix shrinks to one block
+        return self.phases if self.config.dual else ("refresh", *windows(capacity, self.block_size))
 
     # --- where KV lives ------------------------------------------------------------------------------------------
     def kv_layout(self, model, slots: int, capacity: int):
@@ -159,7 +156,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
                            route_groups=route_groups(idx, Bk, act[:, None].expand_as(idx)))
         # decode: [block_start, block_start + Q) against the cached prefix [0, block_start); no KV written
         length = (st.work_len - st.block_start).clamp(min=0)
-        window = torch.arange(self.window(phase, T), device=dev)
+        window = torch.arange(width(phase, T, self.block_size), device=dev)
         pos = (st.block_start[:, None] + window).clamp(max=T - 1)
         live = (window < length[:, None]) & act[:, None]
         first = window[: self.block_size].expand(B, self.block_size)  # the block: the window's first Bk queries
@@ -182,22 +179,19 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     def schedule(self, step):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
-        h = step.state
-        if self.config.dual or "T" not in h:
+        h, T = step.state, step.capacity
+        if self.config.dual:
             return [PhaseRun("refresh", step.begun), "decode"]
-        T = h["T"]
-        need = max((h["suffix"].get(s, T) for s in step.rows), default=0)
-        phase = [ph for ph in self.phases[1:] if self.window(ph, T) >= need][-1]  # the smallest that holds it
-        windows, q = h.setdefault("windows", {}), self.window(phase, T)
-        windows[q] = windows.get(q, 0) + 1
+        phase = smallest(T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
+        count, q = h.setdefault("windows", {}), width(phase, T, self.block_size)
+        count[q] = count.get(q, 0) + 1
         return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
         if self.config.dual:
             return
-        st, h = host.st, host.state
-        h["T"] = st.seq.shape[1]  # a row's longest window from now on: its suffix from this block's start
-        h.setdefault("suffix", {}).update(zip(rows, (st.work_len[rows] - st.block_start[rows]).tolist()))
+        st = host.st  # a row's longest window from now on: its suffix from this block's start
+        host.state.setdefault("suffix", {}).update(zip(rows, (st.work_len[rows] - st.block_start[rows]).tolist()))
 
     def on_move(self, host, src, dst):
         suffix = host.state.get("suffix", {})

@@ -111,7 +111,7 @@ class ThresholdPolicy(BlockVerify, BlockPolicy):
         """One phase a step: "commit" when a row begins a block (its previous block's KV is due, unless it was just
         admitted: then its previous-block queries are dead), else "decode"."""
         if not self.fused:
-            return self.phases
+            return super().schedule(step)
         return ("commit",) if set(step.begun) & set(step.rows) else ("decode",)
 
     def plan(self, phase: str, st) -> Forward:

@@ -20,6 +20,7 @@ from compiledllm.engine.hooks import PhaseRun
 from compiledllm.errors import UserError
 from compiledllm.policies import register_policy
 from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
+from compiledllm.policies.windows import windows
 
 
 class RecordedConfig(FastDLLMCacheConfig):
@@ -342,13 +343,14 @@ def test_prefix_window_shrinks_with_the_suffix(ckpt, literal):
                       buckets=(1, 2))
     assert [r.output_ids for r in got] == [w for w, _ in wants]
     pol = engine.policy
-    assert all(q == pol.window(phase, CAPACITY) for phase, q in pol.queries)
+    size = windows(CAPACITY, pol.block_size)  # phase -> query positions
+    assert all(q == size[phase] for phase, q in pol.queries)
     used = {q for _, q in pol.queries}
     assert used >= {16, 8, 4} and CAPACITY not in used, sorted(used)
-    smaller = dict(zip(pol.phases[1:], [*pol.phases[2:], None]))  # each window's next smaller one
+    smaller = dict(zip(size, [*list(size)[1:], None]))  # each window's next smaller one
     for phase, longest in pol.windows:
-        assert pol.window(phase, CAPACITY) >= longest, (phase, longest)
-        assert smaller[phase] is None or pol.window(smaller[phase], CAPACITY) < longest, (phase, longest)
-    windows = engine.stats.policy["decode_windows"]  # bench's policy_stats: decode steps per window size
-    assert windows == {q: sum(pol.window(ph, CAPACITY) == q for ph, _ in pol.windows) for q in windows}
-    assert sum(windows.values()) == len(pol.windows)
+        assert size[phase] >= longest, (phase, longest)
+        assert smaller[phase] is None or size[smaller[phase]] < longest, (phase, longest)
+    counts = engine.stats.policy["decode_windows"]  # bench's policy_stats: decode steps per window size
+    assert counts == {q: sum(size[ph] == q for ph, _ in pol.windows) for q in counts}
+    assert sum(counts.values()) == len(pol.windows)
