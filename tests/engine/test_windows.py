@@ -156,3 +156,28 @@ def test_the_exported_runtime_pads_a_window_to_the_capacity(llada):
     with torch.no_grad():
         assert torch.allclose(exported(fwd), llada(fwd), atol=1e-5)
     assert calls == [torch.Size([2, 48])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_captured_windows_equal_eager(tmp_path):
+    """Every window phase captured per bucket; a session sized for long requests replays the narrow ones and gives
+    the eager session's tokens (bf16, the LLaDA shape at small size)."""
+    model = compiledllm.load_model(write_checkpoint(tmp_path, "llada", 6), device="cuda", dtype=torch.bfloat16)
+    prompts = prompts_of([p for _, p, _ in ARRIVALS], model.config.vocab_size)
+
+    def run(cuda_graphs):
+        eng = Engine(model, EngineConfig(policy(), max_new_tokens=8, batch_size=2, cuda_graphs=cuda_graphs,
+                                         compile=False))
+        arrivals: dict[int, list] = {}
+        for i, ((step, _, n), p) in enumerate(zip(ARRIVALS, prompts)):
+            arrivals.setdefault(step, []).append((i, p, RequestParams(n)))
+        session = eng.session(2, CAPACITY)
+        served = serve(session, arrivals)
+        return [served.results[i].output_ids for i in range(len(prompts))], session, eng.policy
+
+    graphs, session, pol = run(True)
+    eager, _, _ = run(False)
+    assert graphs == eager
+    assert set(session.stepper.graphs) == {(ph, b) for ph in windows(CAPACITY, BLOCK) for b in (1, 2)}
+    assert {16, 32, 128} <= {windows(CAPACITY, BLOCK)[ph] for ph, _ in pol.steps}
