@@ -17,7 +17,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional
 from compiledllm.kv.store import DeviceKV
 from compiledllm.policies.plan import Forward, State, Update, route_groups, window_forward
 from compiledllm.policies.sampling import Sampling, noise_key, sampled_confidence
-from compiledllm.policies.windows import PHASES as WINDOW_PHASES, reachable, smallest, width
+from compiledllm.policies.windows import PHASES as WINDOW_PHASES, pick, reachable, report, width
 from compiledllm.triton_support import triton_on_cuda
 
 if TYPE_CHECKING:
@@ -255,10 +255,13 @@ class BlockPolicy(Policy):
     def schedule(self, step: StepView) -> Schedule:
         if not self.bidirectional:
             return self.phases
-        return (smallest(step.capacity, self.block_size, step.longest),)
+        return (pick(step.state, step.capacity, self.block_size, step.longest),)
 
     def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
         return reachable(capacity, self.block_size, shortest) if self.bidirectional else self.phases
+
+    def host_stats(self, host: HostContext) -> dict:
+        return report(host.state)  # a bidirectional model's steps per window width (bench's policy_stats)
 
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)

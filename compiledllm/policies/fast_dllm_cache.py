@@ -46,7 +46,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
-from compiledllm.policies.windows import PHASES as WINDOW_PHASES, smallest, width, windows
+from compiledllm.policies.windows import PHASES as WINDOW_PHASES, pick, report, width, windows
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         h, T = step.state, step.capacity
         if self.config.dual:
             return [PhaseRun("refresh", step.begun), "decode"]
-        phase = smallest(T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
-        count, q = h.setdefault("windows", {}), width(phase, T, self.block_size)
-        count[q] = count.get(q, 0) + 1
+        phase = pick(h, T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
         return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
@@ -200,8 +198,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
 
     def host_stats(self, host) -> dict:
         """The prefix cache's decode steps per window size (query positions): how far the window shrank."""
-        windows = host.state.get("windows")
-        return {"decode_windows": dict(sorted(windows.items(), reverse=True))} if windows else {}
+        return report(host.state)
 
     def report(self, st, slot):
         return {"nfe": int(st.policy["nfe"][slot])}

@@ -37,3 +37,17 @@ def reachable(T: int, block: int, shortest: int) -> tuple[str, ...]:
     narrower than the one `shortest` gets (the session compiles and captures only these)."""
     names = list(windows(T, block))
     return tuple(names[: names.index(smallest(T, block, shortest)) + 1])
+
+
+def pick(state: dict, T: int, block: int, need: int) -> str:
+    """`smallest`, counted in the policy's host state by width (`report`: bench's policy_stats)."""
+    phase = smallest(T, block, need)
+    count, w = state.setdefault("windows", {}), width(phase, T, block)
+    count[w] = count.get(w, 0) + 1
+    return phase
+
+
+def report(state: dict) -> dict:
+    """{"decode_windows": {width: steps}} of the windows `pick` chose so far, widest first (nothing if none)."""
+    count = state.get("windows")
+    return {"decode_windows": dict(sorted(count.items(), reverse=True))} if count else {}

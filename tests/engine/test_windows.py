@@ -97,7 +97,8 @@ def test_a_session_sized_for_long_requests_runs_narrow_windows_with_the_tokens_o
     arrivals: dict[int, list] = {}
     for i, ((step, _, n), p) in enumerate(zip(ARRIVALS, prompts)):
         arrivals.setdefault(step, []).append((i, p, RequestParams(n)))
-    served = serve(eng.session(2, CAPACITY), arrivals)
+    session = eng.session(2, CAPACITY)
+    served = serve(session, arrivals)
     pol = eng.policy
     for i, ((_, _, n), p) in enumerate(zip(ARRIVALS, prompts)):  # alone: a session of its own length
         ref = Engine(llada, EngineConfig(policy("threshold"), max_new_tokens=n, batch_size=1))
@@ -109,6 +110,8 @@ def test_a_session_sized_for_long_requests_runs_narrow_windows_with_the_tokens_o
         assert size[phase] >= longest and (narrower[phase] is None or size[narrower[phase]] < longest)
     used = {size[phase] for phase, _ in pol.steps}  # 16 and 32 while only short requests decode, the capacity
     assert used == {16, 32, 128}, used                # while the 72-position one does
+    widths = [size[phase] for phase, _ in pol.steps]  # bench's policy_stats: steps per window width
+    assert session.stats().policy == {"decode_windows": {w: widths.count(w) for w in sorted(used, reverse=True)}}
 
 
 def test_a_window_too_narrow_changes_the_tokens(llada):
