@@ -2,7 +2,7 @@
 about that sequence and not the session's whole KV capacity (a server's session is sized for its longest request).
 
 Phase "decode" spans the capacity T; "decode1" .. "decode3" T / 2, T / 4, T / 8, rounded up to whole blocks (sizes
-that coincide keep the first name only). The host runs the smallest window that holds the step's longest need
+that coincide keep the first name only). The host runs the narrowest window that holds the step's longest need
 (Policy.schedule): a window never runs where a row needs more (that row would see a cut sequence), so a step with no
 host schedule (run_step) runs "decode" alone.
 """

@@ -114,6 +114,21 @@ def test_a_session_sized_for_long_requests_runs_narrow_windows_with_the_tokens_o
     assert session.stats().policy == {"decode_windows": {w: widths.count(w) for w in sorted(used, reverse=True)}}
 
 
+def test_t2t_on_a_bidirectional_model_keeps_its_tokens_through_the_windows(llada):
+    """t2t shares BlockPolicy's windows: in the server-shaped session each request gets its tokens alone."""
+    t2t = {"name": "t2t", "block_size": BLOCK, "threshold": 0.5, "edit_threshold": 0.3, "max_post_steps": 2}
+    prompts = prompts_of([p for _, p, _ in ARRIVALS], llada.config.vocab_size, seed=4)
+    arrivals: dict[int, list] = {}
+    for i, ((step, _, n), p) in enumerate(zip(ARRIVALS, prompts)):
+        arrivals.setdefault(step, []).append((i, p, RequestParams(n)))
+    session = Engine(llada, EngineConfig(t2t, max_new_tokens=8, batch_size=2)).session(2, CAPACITY)
+    served = serve(session, arrivals)
+    for i, ((_, _, n), p) in enumerate(zip(ARRIVALS, prompts)):
+        ref = Engine(llada, EngineConfig(t2t, max_new_tokens=n, batch_size=1))
+        assert served.results[i].output_ids == ref.generate([p], request_ids=[i])[0].output_ids, i
+    assert set(session.stats().policy["decode_windows"]) == {16, 32, 128}
+
+
 def test_a_window_too_narrow_changes_the_tokens(llada):
     """Negative control: the narrowest window (16) for every step cuts both requests' sequences (20 and 44)."""
     prompts = prompts_of([5, 30], llada.config.vocab_size)
