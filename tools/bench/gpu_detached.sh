@@ -6,6 +6,8 @@
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
 # A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed). A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
+# The working tree and the carried .whl reach the device's 64 MiB limit (2026-12-06: refused at 64.8 MiB): move
+# docs/results/*.png (2 MiB, no stage reads them) out of the tree for the call and back after it.
 set -uo pipefail
 RES=/tmp/gpu_results
 OUT=${OUT:-/tmp/out}
