@@ -199,3 +199,20 @@ def test_captured_windows_equal_eager(tmp_path):
     assert graphs == eager
     assert set(session.stepper.graphs) == {(ph, b) for ph in windows(CAPACITY, BLOCK) for b in (1, 2)}
     assert {16, 32, 128} <= {windows(CAPACITY, BLOCK)[ph] for ph, _ in pol.steps}
+
+
+@pytest.mark.slow
+def test_compiled_windows_equal_eager(llada):
+    """compile: true compiles each reachable window (a shape of its own) and gives the eager tokens."""
+    prompts = prompts_of([5, 2, 9], llada.config.vocab_size, seed=6)
+    params = [RequestParams(n) for n in (7, 3, 12)]  # working sequences 12, 8 and 24 in a session of 32, one at a time
+
+    def run(compile):
+        eng = Engine(llada, EngineConfig(policy(), max_new_tokens=8, batch_size=1, max_seq_len=32, compile=compile))
+        out = [r.output_ids for r in eng.generate(prompts, params=params)]
+        return out, eng.policy
+
+    compiled, pol = run(True)
+    eager, _ = run(False)
+    assert compiled == eager
+    assert {windows(32, BLOCK)[ph] for ph, _ in pol.steps} == {8, 16, 32}
