@@ -65,9 +65,16 @@ def policy_config(params: dict | PolicyConfig) -> PolicyConfig:
         raise UserError(f"policy.{unknown[0]}: unknown parameter for policy {name} (allowed: {', '.join(sorted(allowed))})")
     try:
         _strict_params(cls).validate_python(params)  # the types, strictly: no bool for a number, no float for an int
-        return TypeAdapter(cls).validate_python(params)  # builds the config; its __post_init__ checks the ranges
+        return _adapter(cls).validate_python(params)  # builds the config; its __post_init__ checks the ranges
     except ValidationError as e:
         raise UserError(_validation_message(e)) from None
+
+
+@cache
+def _adapter(cls: type[PolicyConfig]) -> TypeAdapter:
+    """Built once per config class: building one is slow, and pydantic-core turns a stop signal that lands inside
+    the build into a SchemaError (an eval's second policy, Ctrl-C, a traceback), where a built one is only called."""
+    return TypeAdapter(cls)
 
 
 @cache
