@@ -254,7 +254,7 @@ class BlockPolicy(Policy):
 
     def schedule(self, step: StepView) -> Schedule:
         if not self.bidirectional:
-            return self.phases
+            return super().schedule(step)
         return (pick(step.state, step.capacity, self.block_size, step.longest),)
 
     def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
