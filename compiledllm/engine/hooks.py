@@ -33,7 +33,6 @@ class StepView:
     begun: tuple[int, ...]
     state: dict = field(default_factory=dict)  # the policy's host state (HostContext.state), as its hooks left it
     capacity: int = 0  # the session's KV positions per slot
-    longest: int = 0   # the longest working sequence among `rows` (prompt + max_new_tokens, in whole blocks)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
 from compiledllm.policies.sampling import request_key
+from compiledllm.policies.windows import narrow, report as width_report
 from compiledllm.profiling import phase as profile_range
 from compiledllm.threads import follow as follow_threads
 
@@ -100,9 +101,9 @@ class EngineSession:
         check_fits(tiers, self.slots, self.capacity)
         params = {k: torch.full((self.slots,), float(v), device=device) for k, v in policy.row_params().items()}
         try:
-            state = policy.init_state(self.slots, device) | policy.capacity_state(self.slots, self.capacity, device)
-            st = SlotState.allocate(self.slots, self.capacity, state,
-                                    model.mask_token_id, device, params)
+            wide = policy.capacity_state(self.slots, self.capacity, device)
+            st = SlotState.allocate(self.slots, self.capacity, policy.init_state(self.slots, device) | wide,
+                                    model.mask_token_id, device, params, tuple(wide))
             kv = layout.allocate() if layout is not None else None
         except torch.OutOfMemoryError:
             raise UserError(f"batch_size {self.slots} with {self.capacity} positions does not fit in {device} "
@@ -198,11 +199,13 @@ class EngineSession:
             self._counts.hooks(t)
             return events
         view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state,
-                        self.capacity, max(owner[s].work_len for s in decoding))
+                        self.capacity)
         policy.before_step(self.host, view)
         self._counts.hooks(t)
         t = time.perf_counter()
-        self.stepper.run(1 + max(decoding), policy.schedule(view), st.selected)
+        schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
+                          {s: owner[s].work_len for s in decoding}, self.host.state)
+        self.stepper.run(1 + max(decoding), schedule, st.selected)
         report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
         st.retired.zero_()
         self._counts.decode_s += time.perf_counter() - t
@@ -387,7 +390,8 @@ class EngineSession:
                                 first_block_s=first - req.arrival, finish_reason=reason, stop_reason=stop)
 
     def stats(self) -> RunStats:
-        return self._counts.stats(self.now(), self.startup_s, self.policy.host_stats(self.host))
+        policy = width_report(self.host.state) | self.policy.host_stats(self.host)  # narrowed phases per width
+        return self._counts.stats(self.now(), self.startup_s, policy)
 
     def close(self) -> None:
         """Stop the host worker (a session's buffers go with the object)."""

@@ -1,7 +1,7 @@
 """Static per-slot buffers the decode step reads and updates in place (preallocated once per engine)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,15 +21,17 @@ class SlotState:
     policy: State              # the policy's per-row state
     params: State = field(default_factory=dict)  # per-request settings the policy reads (Policy.row_params), [B]
     selected: torch.Tensor | None = None  # [B] bool: the rows a row-subset phase runs on (hooks.PhaseRun)
+    capacity: int = 0          # KV positions per slot (the pools' stride); seq may be a narrower view (narrow)
+    wide: tuple[str, ...] = ()  # the policy buffers whose last axis is the capacity plus a fixed count
 
     @classmethod
     def allocate(cls, batch: int, capacity: int, policy_state: State, fill: int, device,
-                 params: State | None = None) -> "SlotState":
+                 params: State | None = None, wide: tuple[str, ...] = ()) -> "SlotState":
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(seq=torch.full((batch, capacity), fill, dtype=torch.long, device=device), prompt_len=zeros(),
                    work_len=zeros(), block_start=zeros(), active=torch.zeros(batch, dtype=torch.bool, device=device),
                    steps=zeros(), retired=zeros(), key=zeros(), policy=policy_state, params=params or {},
-                   selected=torch.zeros(batch, dtype=torch.bool, device=device))
+                   selected=torch.zeros(batch, dtype=torch.bool, device=device), capacity=capacity, wide=wide)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every per-slot buffer by name (policy state and params prefixed), for moving a row."""
@@ -43,7 +45,14 @@ class SlotState:
         return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
                          self.active[:rows], self.steps[:rows], self.retired[:rows], self.key[:rows],
                          {k: v[:rows] for k, v in self.policy.items()}, {k: v[:rows] for k, v in self.params.items()},
-                         None if self.selected is None else self.selected[:rows])
+                         None if self.selected is None else self.selected[:rows], self.capacity, self.wide)
+
+    def narrow(self, width: int) -> "SlotState":
+        """Positions [0, width) of every slot, as views (policies/windows.py): the sequence and the `wide` policy
+        buffers cut by capacity - width on their last axis; a phase on it updates these buffers in place."""
+        cut = self.capacity - width
+        policy = {k: v[..., : v.shape[-1] - cut] if k in self.wide else v for k, v in self.policy.items()}
+        return replace(self, seq=self.seq[:, :width], policy=policy)
 
     def move(self, src: int, dst: int) -> None:
         """Slot src's request into slot dst (every buffer's row)."""

@@ -13,6 +13,7 @@ from compiledllm.attention.spec import Kernels
 from compiledllm.engine.state import SlotState
 from compiledllm.policies.base import Policy
 from compiledllm.policies.plan import Forward, Update
+from compiledllm.policies.windows import split
 from compiledllm.profiling import phase as profile_range
 
 
@@ -29,7 +30,11 @@ def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Reg
     """One phase for every slot; `regions`: compiled forms of the layers and the finish (default: eager);
     `kernels`: the implementations every forward uses instead of the policy's choice (benchmarks' A/B);
     `eos_id`: the token that ends a request (default the model's; -1: none); `subset`: only the rows in
-    st.selected take part (hooks.PhaseRun): the others are inactive for this phase and keep their state."""
+    st.selected take part (hooks.PhaseRun): the others are inactive for this phase and keep their state. A name
+    "<phase>@<W>" runs the phase on the state narrowed to positions [0, W) (policies/windows.py)."""
+    phase, width = split(phase)
+    if width is not None:
+        st = st.narrow(width)
     whole = st
     if subset:
         st = replace(st, active=st.active & st.selected)
@@ -41,16 +46,15 @@ def run_phase(model, policy: Policy, phase: str, st: SlotState, kv, regions: Reg
         (finish_phase if regions is None else regions.finish)(policy, phase, st, fwd, logits,
                                                               model.eos_token_id if eos_id is None else eos_id,
                                                               kv if policy.kv_hook else None)
-    if subset:
+    if subset:  # st.active is a new tensor: the selected rows' end of decoding goes back to the slots' own
         whole.active.copy_(torch.where(whole.selected, st.active, whole.active))
 
 
 def run_step(model, policy: Policy, st: SlotState, kv, phases: Sequence[str] | None = None) -> None:
     """One step's phases, eagerly (the engine's Stepper runs them compiled or captured); default
-    Policy.phases_for(capacity, capacity): a step's where every row fills the capacity (fast_dllm_cache, whose host
-    schedule picks one of its windows even then, would run them all: give it `phases`)."""
-    T = st.seq.shape[1]
-    for ph in phases or policy.phases_for(T, T):
+    Policy.phases_for(capacity, capacity): a step's at the whole capacity (fast_dllm_cache, whose host schedule
+    picks one of its windows even then, would run them all: give it `phases`)."""
+    for ph in phases or policy.phases_for(st.capacity, st.capacity):
         run_phase(model, policy, ph, st, kv)
 
 

@@ -1,9 +1,10 @@
 """Runs a step's phases on a batch-size bucket: eagerly, through torch.compile, or as replayed CUDA graphs.
 
 A bucket is the first `b` slots (views of the static buffers); the engine picks the smallest bucket that holds
-every active slot. On CUDA every (phase, bucket) is captured once at start-up, all graphs sharing one memory pool
-(kernel scratch allocated during capture lives in that pool, so it lives as long as this Stepper's graphs); a
-replay runs the whole phase (plan, forward, update, bookkeeping) with no host work.
+every active slot. On CUDA every (phase, bucket) is captured once at start-up (a narrowed phase "<phase>@<W>" is a
+phase of its own: policies/windows.py), all graphs sharing one memory pool (kernel scratch allocated during capture
+lives in that pool, so it lives as long as this Stepper's graphs); a replay runs the whole phase (plan, forward,
+update, bookkeeping) with no host work.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import run_phase
 from compiledllm.kv.store import KVStore
 from compiledllm.policies.base import Policy
+from compiledllm.policies.windows import split
 
 
 def default_buckets(slots: int) -> list[int]:
@@ -93,7 +95,8 @@ class Stepper:
 
     def _call(self, phase: str, bucket: int) -> None:
         with compile_room() if self.compiled else contextlib.nullcontext():
-            self.fn(self.model, self.policy, phase, *self.views[bucket], subset=phase in self.policy.row_phases)
+            self.fn(self.model, self.policy, phase, *self.views[bucket],
+                    subset=split(phase)[0] in self.policy.row_phases)
 
     def _capture(self, ph: str, b: int, pool) -> None:
         """Warm up (and compile) the phase on bucket b on a side stream, then capture it into `pool`. Runs while

@@ -190,7 +190,7 @@ class ExportedModel(ConfigFacts):
         rule, B = fwd.attention.rule, fwd.tokens.shape[0]
         if isinstance(rule, Bidirectional) and fwd.attention.prefix_len is None:
             tokens, positions, pad = fwd.tokens, fwd.positions, self.static_shapes.capacity - fwd.tokens.shape[1]
-            if pad > 0:  # a narrower window phase (policies/windows.py): the package takes the whole capacity
+            if pad > 0:  # a narrowed phase (policies/windows.py): the package takes the whole capacity
                 tokens = torch.cat([tokens, tokens.new_zeros(B, pad)], 1)
                 more = positions[:, -1:] + 1 + torch.arange(pad, device=positions.device)
                 positions = torch.cat([positions, more], 1)

@@ -17,7 +17,7 @@ from compiledllm.attention.spec import AttentionSpec, Bidirectional
 from compiledllm.kv.store import DeviceKV
 from compiledllm.policies.plan import Forward, State, Update, route_groups, window_forward
 from compiledllm.policies.sampling import Sampling, noise_key, sampled_confidence
-from compiledllm.policies.windows import PHASES as WINDOW_PHASES, pick, reachable, report, width
+from compiledllm.policies.windows import expand
 from compiledllm.triton_support import triton_on_cuda
 
 if TYPE_CHECKING:
@@ -180,6 +180,11 @@ class Policy(ABC):
 
     # --- host hooks (engine/hooks.py) ----------------------------------------------------------------------------
     row_phases: tuple[str, ...] = ()  # phases that `schedule` may run on a subset of rows (hooks.PhaseRun)
+    # phases that read and write only positions [0, W) of every per-slot buffer where W holds the working sequence of
+    # each row they act on: the engine runs them narrowed to the rows' need (policies/windows.py). Such a phase sizes
+    # everything from st.seq.shape[1] and addresses a KV pool with st.capacity, and its capacity_state buffers keep
+    # capacity + a fixed count on their last axis
+    narrow_phases: tuple[str, ...] = ()
 
     def schedule(self, step: StepView) -> Schedule:
         """The phases of the next step, chosen on the host (default: all, on every decoding row); a phase listed in
@@ -188,9 +193,10 @@ class Policy(ABC):
 
     def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
         """The phases a session of this KV capacity, whose requests each need at least `shortest` positions, can
-        run: those its start-up compiles and captures (default: all). With shortest = capacity, one step's phases
-        where no host hook chose among them (run_step)."""
-        return self.phases
+        run: those its start-up compiles and captures (default: all, those in `narrow_phases` at each width such
+        requests can get). With shortest = capacity, one step's phases where no host hook chose among them
+        (run_step)."""
+        return expand(self.phases, self.narrow_phases, capacity, self.block_size, shortest)
 
     def on_blocks(self, host: HostContext, rows: list[int]) -> None:
         """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
@@ -217,13 +223,13 @@ class Policy(ABC):
 class BlockPolicy(Policy):
     """A policy that decodes one block per row at a time (`threshold`, `t2t`): its forward is the current block
     against the cached prefix (block-causal models) or the whole working sequence (bidirectional models), the
-    latter through the narrowest window phase that holds the step's longest working sequence (policies/windows.py:
-    a session sized for long requests computes about its requests' lengths)."""
+    latter narrowed to the step's longest working sequence (policies/windows.py: a session sized for long requests
+    computes about its requests' lengths)."""
 
     def __init__(self, config: PolicyConfig, mask_id: int, bidirectional: bool = False):
         super().__init__(config, mask_id, bidirectional)
         if bidirectional:
-            self.phases = WINDOW_PHASES
+            self.narrow_phases = ("decode",)
 
     def block_window(self, st: SlotState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(idx, tokens, gen) [B, Bk]: the block's positions, its tokens, and which are generated (changeable)."""
@@ -231,15 +237,12 @@ class BlockPolicy(Policy):
         idx = (st.block_start[:, None] + torch.arange(self.block_size, device=st.seq.device)).clamp(max=T - 1)
         return idx, st.seq.gather(1, idx), idx >= st.prompt_len[:, None]
 
-    def block_forward(self, st: SlotState, idx: torch.Tensor, tokens: torch.Tensor, need: torch.Tensor,
-                      phase: str = "decode") -> Forward:
-        if self.bidirectional:  # positions [0, W) of the window phase; the host ran it only where W holds work_len
+    def block_forward(self, st: SlotState, idx: torch.Tensor, tokens: torch.Tensor, need: torch.Tensor) -> Forward:
+        if self.bidirectional:  # every position (of the narrowed state: the engine's width holds each work_len)
             B, T = st.seq.shape
-            W = width(phase, T, self.block_size)
-            pos = torch.arange(W, device=st.seq.device).expand(B, W)
+            pos = torch.arange(T, device=st.seq.device).expand(B, T)
             live = (pos < st.work_len[:, None]) & st.active[:, None]  # past the working sequence: padding
-            return Forward(st.seq[:, :W], pos, AttentionSpec(Bidirectional(st.work_len)),
-                           logits_at=idx.clamp(max=W - 1), logits_rows=need,
+            return Forward(st.seq, pos, AttentionSpec(Bidirectional(st.work_len)), logits_at=idx, logits_rows=need,
                            route_groups=route_groups(pos, self.block_size, live))
         # the block against the cached prefix; a finished row writes nothing and routes nowhere
         return window_forward(tokens, idx, st.block_start, self.block_size, st.active[:, None], logits_rows=need)
@@ -250,18 +253,7 @@ class BlockPolicy(Policy):
 
     def plan(self, phase: str, st: SlotState) -> Forward:
         idx, tokens, gen = self.block_window(st)
-        return self.block_forward(st, idx, tokens, self.needed(tokens, gen, st.policy), phase)
-
-    def schedule(self, step: StepView) -> Schedule:
-        if not self.bidirectional:
-            return super().schedule(step)
-        return (pick(step.state, step.capacity, self.block_size, step.longest),)
-
-    def phases_for(self, capacity: int, shortest: int) -> tuple[str, ...]:
-        return reachable(capacity, self.block_size, shortest) if self.bidirectional else self.phases
-
-    def host_stats(self, host: HostContext) -> dict:
-        return report(host.state)  # a bidirectional model's steps per window width (bench's policy_stats)
+        return self.block_forward(st, idx, tokens, self.needed(tokens, gen, st.policy))
 
     def update(self, phase: str, st: SlotState, fwd: Forward, logits: torch.Tensor) -> Update:
         pos, tokens = logits_view(fwd)

@@ -155,7 +155,8 @@ class ElasticCachePolicy(SelectiveCachePolicy):
             prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
             see = 1 << torch.arange(2, dtype=torch.int32, device=st.seq.device)  # padding sees only itself
             spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
-                                 stats=stats, stats_queries=marks(w_pos, need, T).gather(1, q_pos) & q_live)
+                                 stats=stats[..., :T + q_pos.shape[1]],
+                                 stats_queries=marks(w_pos, need, T).gather(1, q_pos) & q_live)
             logits_at = (member.long().cumsum(1) - 1).gather(1, w_pos).clamp(min=0)  # the window among the set
             return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
                            logits_at=logits_at, logits_rows=need, keep_hidden=True,
@@ -192,7 +193,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
         working = self.regions(st)[2]
         w_pos, w_live, left = self.window(st)
         need = w_live & act[:, None]
-        mass = self.position_mass(fwd.attention.stats.transpose(0, 1), fwd, T)  # [B, L, KVH, T]
+        mass = self.position_mass(fwd.attention.stats.transpose(0, 1), fwd, T, st.capacity)  # [B, L, KVH, T]
         at = st.policy["at"]
         failed = torch.zeros_like(act)
         if phase == "decode":

@@ -11,12 +11,14 @@ ends a whole number of blocks after it. Per block:
 * phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
   block and everything after it, bidirectional among themselves, padding hidden) against the cached prefix
   [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
-  window does, within static shapes: the window phases of policies/windows.py ("decode" Q = the KV capacity T,
-  "decode1" .. "decode3" T / 2, T / 4, T / 8), and a step runs the narrowest one that holds its rows' longest suffix
-  (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
+  window does, within static shapes: a phase per width of policies/windows.py ("decode" Q = the KV capacity T,
+  "decode1" .. "decode3" about T / 2, T / 4, T / 8), and a step runs the narrowest one that holds its rows' longest
+  suffix (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
   (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
   [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
   pool per layer read through an index (kv/pooled.py).
+
+The refresh (and with `dual` the decode) runs narrowed to the rows' working sequences (Policy.narrow_phases).
 
 So the prefix's KV (and with `dual` the suffix's) is the one of the block's start (approximate: what the block's
 steps change reaches it only at the next refresh, as in Fast-dLLM); the block (and without `dual` the suffix) is
@@ -46,7 +48,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
-from compiledllm.policies.windows import PHASES as WINDOW_PHASES, pick, report, width, windows
+from compiledllm.policies.windows import HALVINGS, expand, fit, widths
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class RefreshCachePolicy(Policy):
     def caches_kv(self) -> bool:
         return True  # the refresh's KV, read by the decode forwards
 
+    @property
+    def narrow_phases(self) -> tuple[str, ...]:
+        return self.phases  # each reads and writes its rows' working sequences only
+
     def first_block(self, prompt_len: int) -> int:
         return prompt_len
 
@@ -109,10 +115,17 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     def __init__(self, config, mask_id, bidirectional=False):
         super().__init__(config, mask_id, bidirectional)
         if not config.dual:
-            self.phases = ("refresh", *WINDOW_PHASES)
+            self.phases = ("refresh", *(f"decode{k or ''}" for k in range(HALVINGS)))
 
-    def phases_for(self, capacity, shortest):  # every window: a row's suffix shrinks to one block
-        return self.phases if self.config.dual else ("refresh", *windows(capacity, self.block_size))
+    @property
+    def narrow_phases(self) -> tuple[str, ...]:
+        return self.phases if self.config.dual else ("refresh",)  # the prefix cache's windows are its own
+
+    def phases_for(self, capacity, shortest):  # every decode window: a row's suffix shrinks to one block
+        if self.config.dual:
+            return super().phases_for(capacity, shortest)
+        return expand(("refresh", *query_windows(capacity, self.block_size)), self.narrow_phases, capacity,
+                      self.block_size, shortest)
 
     # --- where KV lives ------------------------------------------------------------------------------------------
     def kv_layout(self, model, slots: int, capacity: int):
@@ -151,12 +164,12 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
             around = torch.arange(T - Bk, device=dev)
             around = torch.where(around < st.block_start[:, None], around, around + Bk)
             spec = AttentionSpec(Bidirectional(torch.full_like(st.work_len, Bk)),
-                                 prefix_len=(st.work_len - Bk).clamp(min=0), kv_index=pool_index(around, T))
+                                 prefix_len=(st.work_len - Bk).clamp(min=0), kv_index=pool_index(around, st.capacity))
             return Forward(st.seq.gather(1, idx), idx, spec, logits_rows=need,
                            route_groups=route_groups(idx, Bk, act[:, None].expand_as(idx)))
         # decode: [block_start, block_start + Q) against the cached prefix [0, block_start); no KV written
         length = (st.work_len - st.block_start).clamp(min=0)
-        window = torch.arange(width(phase, T, self.block_size), device=dev)
+        window = torch.arange(query_windows(T, self.block_size)[phase], device=dev)
         pos = (st.block_start[:, None] + window).clamp(max=T - 1)
         live = (window < length[:, None]) & act[:, None]
         first = window[: self.block_size].expand(B, self.block_size)  # the block: the window's first Bk queries
@@ -182,8 +195,10 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         h, T = step.state, step.capacity
         if self.config.dual:
             return [PhaseRun("refresh", step.begun), "decode"]
-        phase = pick(h, T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
-        return [PhaseRun("refresh", step.begun), phase]
+        Q = fit(T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
+        count = h.setdefault("windows", {})
+        count[Q] = count.get(Q, 0) + 1
+        return [PhaseRun("refresh", step.begun), {q: ph for ph, q in query_windows(T, self.block_size).items()}[Q]]
 
     def on_blocks(self, host, rows):
         if self.config.dual:
@@ -198,7 +213,14 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
 
     def host_stats(self, host) -> dict:
         """The prefix cache's decode steps per window size (query positions): how far the window shrank."""
-        return report(host.state)
+        count = host.state.get("windows")
+        return {"decode_windows": dict(sorted(count.items(), reverse=True))} if count else {}
 
     def report(self, st, slot):
         return {"nfe": int(st.policy["nfe"][slot])}
+
+
+def query_windows(T: int, block: int) -> dict[str, int]:
+    """The prefix cache's decode phases at capacity T -> their query positions: "decode" T, "decode1".. the
+    narrower widths of policies/windows.py."""
+    return {f"decode{k or ''}": w for k, w in enumerate(widths(T, block))}

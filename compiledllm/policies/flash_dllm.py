@@ -132,8 +132,8 @@ class FlashDLLMPolicy(FlashVerify, SelectiveCachePolicy):
         prefix_len, kv_index = self.cache_around(st, q_pos, q_live, act)
         see = 1 << torch.arange(2, dtype=torch.int32, device=dev)  # live queries see live keys; padding only itself
         spec = AttentionSpec(QueryGroups((~q_live).int(), see), prefix_len=prefix_len, kv_index=kv_index,
-                             stats=st.policy["stats"], stats_queries=counted, stats_layers=self.stats_layers(),
-                             stats_score=self.config.track_score)
+                             stats=st.policy["stats"][:, :T + q_pos.shape[1]], stats_queries=counted,
+                             stats_layers=self.stats_layers(), stats_score=self.config.track_score)
         # the cache it reads has holes at the set's positions (cache_around), so the set's K/V may be written first
         return Forward(st.seq.gather(1, q_pos), q_pos, spec, kv_write=torch.where(q_live, q_pos, -1),
                        logits_at=logits_at, logits_rows=need, route_groups=route_groups(q_pos, self.block_size, q_live),
@@ -177,7 +177,7 @@ class FlashDLLMPolicy(FlashVerify, SelectiveCachePolicy):
         accept, left = self.transfer(p, masked, idx, st)
         done = act & (accept.sum(1) == left)
         stats = st.policy["stats"]
-        mass = self.position_mass(fwd.attention.stats, fwd, T)
+        mass = self.position_mass(fwd.attention.stats, fwd, T, st.capacity)
         new = marks(idx, accept, T)
         state = {"fresh": torch.where(act, torch.ones_like(nfe), st.policy["fresh"]), "nfe": nfe + act.long(),
                  "mass": torch.where(act[:, None], mass, st.policy["mass"]),

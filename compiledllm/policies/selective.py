@@ -44,13 +44,14 @@ class SelectiveCachePolicy(RefreshCachePolicy):
         pos = torch.arange(T, device=st.seq.device).expand(B, T)
         cached = (pos < st.work_len[:, None]) & ~marks(q_pos, q_live, T) & act[:, None]
         order = torch.sort(torch.where(cached, pos, T + pos), dim=1).indices  # cached positions first, in order
-        return cached.sum(1), pool_index(order, T)
+        return cached.sum(1), pool_index(order, st.capacity)
 
     @staticmethod
-    def position_mass(stats: torch.Tensor, fwd, T: int) -> torch.Tensor:
+    def position_mass(stats: torch.Tensor, fwd, T: int, capacity: int) -> torch.Tensor:
         """[B, ..., T]: the attention mass (or score) each position's key got in `fwd`, from its statistics [B, ...,
-        S + Q] as the attention fills them: the KV source's S keys through kv_index, then the window's Q keys at
-        the forward's positions (those it writes; the others are padding)."""
+        S + Q] as the attention fills them: the KV source's S keys through kv_index (into pools of `capacity`
+        positions a slot), then the window's Q keys at the forward's positions (those it writes; the others are
+        padding)."""
         B, lead = stats.shape[0], stats.shape[1:-1]
         flat = stats.reshape(B, -1, stats.shape[-1])
         out = torch.zeros(B, flat.shape[1], T + 1, device=stats.device)
@@ -58,7 +59,8 @@ class SelectiveCachePolicy(RefreshCachePolicy):
         S = 0 if spec.kv_index is None else spec.kv_index.shape[1]
         if S:
             rows = torch.arange(B, device=stats.device)[:, None]
-            out.scatter_add_(2, (spec.kv_index - rows * (T + 1))[:, None].expand(-1, flat.shape[1], -1), flat[..., :S])
+            at = spec.kv_index - rows * (capacity + 1)
+            out.scatter_add_(2, at[:, None].expand(-1, flat.shape[1], -1), flat[..., :S])
         live = fwd.kv_write >= 0
         Q = live.shape[1]
         at = torch.where(live, fwd.positions, T)[:, None].expand(-1, flat.shape[1], -1)

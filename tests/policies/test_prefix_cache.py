@@ -19,8 +19,7 @@ from compiledllm.engine import Engine, EngineConfig
 from compiledllm.engine.hooks import PhaseRun
 from compiledllm.errors import UserError
 from compiledllm.policies import register_policy
-from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy
-from compiledllm.policies.windows import windows
+from compiledllm.policies.fast_dllm_cache import FastDLLMCacheConfig, FastDLLMCachePolicy, query_windows
 
 
 class RecordedConfig(FastDLLMCacheConfig):
@@ -343,7 +342,7 @@ def test_prefix_window_shrinks_with_the_suffix(ckpt, literal):
                       buckets=(1, 2))
     assert [r.output_ids for r in got] == [w for w, _ in wants]
     pol = engine.policy
-    size = windows(CAPACITY, pol.block_size)  # phase -> query positions
+    size = query_windows(CAPACITY, pol.block_size)  # phase -> query positions
     assert all(q == size[phase] for phase, q in pol.queries)
     used = {q for _, q in pol.queries}
     assert used >= {16, 8, 4} and CAPACITY not in used, sorted(used)
