@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -111,7 +111,8 @@ class Policy(ABC):
             return None
         return noise_key(st.key, st.steps if draws is None else draws, positions)
 
-    def choose(self, logits: torch.Tensor, need: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, logits: torch.Tensor, need: torch.Tensor,
+               keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(v, p): the confidence rule, or with sampling v drawn (keys from noise_keys) and p its probability."""
         if keys is None:
             return confidence(logits, self.mask_id, need)
