@@ -11,9 +11,9 @@ ends a whole number of blocks after it. Per block:
 * phase "decode", every later step until the block has no MASK: the window [block_start, block_start + Q) (the
   block and everything after it, bidirectional among themselves, padding hidden) against the cached prefix
   [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
-  window does, within static shapes: a phase per width of policies/windows.py ("decode" Q = the KV capacity T,
-  "decode1" .. "decode3" about T / 2, T / 4, T / 8), and a step runs the narrowest one that holds its rows' longest
-  suffix (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
+  window does, within static shapes: a phase per window ("decode" Q = the KV capacity T, "decode1", "decode2", ..
+  T / 2, T / 4, .. in whole blocks, down to one block), and a step runs the narrowest one that holds its rows'
+  longest suffix (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
   (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
   [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
   pool per layer read through an index (kv/pooled.py).
@@ -48,7 +48,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
-from compiledllm.policies.windows import HALVINGS, expand, fit, widths
+from compiledllm.policies.windows import expand, widths
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,6 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
     name = "fast_dllm_cache"
     cache = "Fast-dLLM's prefix cache"
     config: FastDLLMCacheConfig
-
-    def __init__(self, config, mask_id, bidirectional=False):
-        super().__init__(config, mask_id, bidirectional)
-        if not config.dual:
-            self.phases = ("refresh", *(f"decode{k or ''}" for k in range(HALVINGS)))
 
     @property
     def narrow_phases(self) -> tuple[str, ...]:
@@ -195,10 +190,11 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         h, T = step.state, step.capacity
         if self.config.dual:
             return [PhaseRun("refresh", step.begun), "decode"]
-        Q = fit(T, self.block_size, max(h.get("suffix", {}).get(s, T) for s in step.rows))
+        need = max(h.get("suffix", {}).get(s, T) for s in step.rows)
+        phase, Q = [(ph, q) for ph, q in query_windows(T, self.block_size).items() if q >= need or q == T][-1]
         count = h.setdefault("windows", {})
         count[Q] = count.get(Q, 0) + 1
-        return [PhaseRun("refresh", step.begun), {q: ph for ph, q in query_windows(T, self.block_size).items()}[Q]]
+        return [PhaseRun("refresh", step.begun), phase]
 
     def on_blocks(self, host, rows):
         if self.config.dual:
@@ -221,6 +217,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
 
 
 def query_windows(T: int, block: int) -> dict[str, int]:
-    """The prefix cache's decode phases at capacity T -> their query positions: "decode" T, "decode1".. the
-    narrower widths of policies/windows.py."""
-    return {f"decode{k or ''}": w for k, w in enumerate(widths(T, block))}
+    """The prefix cache's decode phases at capacity T -> their query positions, widest first: "decode" T, then
+    "decode1", "decode2", .. halving in whole blocks down to one block (the last block's window)."""
+    blocks = -(-T // block)
+    return {f"decode{k or ''}": w for k, w in enumerate(widths(T, block, (blocks - 1).bit_length() + 1))}

@@ -16,10 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 HALVINGS = 4  # widths T, T/2, T/4, T/8: a few graphs per phase, and a request an eighth of the capacity runs 8x less
 
 
-def widths(T: int, block: int) -> tuple[int, ...]:
-    """The distinct widths at capacity T, widest first: T / 2^k rounded up to whole blocks, at most T."""
+def widths(T: int, block: int, halvings: int = HALVINGS) -> tuple[int, ...]:
+    """The distinct widths at capacity T, widest first: T / 2^k (k < halvings) rounded up to whole blocks, at most
+    T."""
     out: list[int] = []
-    for k in range(HALVINGS):
+    for k in range(halvings):
         w = min(T, -(-T // (block << k)) * block)
         if w not in out:
             out.append(w)
