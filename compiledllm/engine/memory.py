@@ -11,6 +11,8 @@ from compiledllm.kv.cache import Tier
 
 def available_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device (the fraction's getter takes no index-less device)
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         # a process limited by torch.cuda.set_per_process_memory_fraction (a shared card) may use only its share
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)

@@ -123,6 +123,21 @@ def test_one_constructor_from_a_recipe(tmp_path):
     assert engine.block == 4 and engine.policy.name == "t2t"
 
 
+def test_available_bytes_of_cuda_without_an_index(monkeypatch):
+    """"cuda" (no index, what a recipe says) is the current device: torch 2.11's fraction getter refuses an
+    index-less device (every GPU model load failed with it, seen on an H100)."""
+    def fraction(device):
+        if torch.device(device).index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 << 30)
+    assert available_bytes(torch.device("cuda")) == 30 << 30
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a per-process memory fraction is a CUDA setting")
 def test_available_bytes_honours_the_memory_fraction():
