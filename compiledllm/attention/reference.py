@@ -1,7 +1,8 @@
 """The torch reference of packed attention for every mask rule and KV source (float32 math, explicit masks).
 
 Processes the batch in chunks so that its float32 scores and K/V copies stay near _REF_CHUNK_BYTES; no host
-synchronisation, so it also runs inside a CUDA graph. A query that sees no key gets out = 0 and lse = -inf (the
+synchronisation on CUDA, so it also runs inside a CUDA graph (on the CPU it reads the source up to the longest
+visible prefix only: `visible_keys`). A query that sees no key gets out = 0 and lse = -inf (the
 kernels' convention). With `mass_queries` it also returns the attention mass per key [B, S + Q] (prefix keys,
 then window keys), summed over heads and the queries marked True; with `mass_per_head` per KV head [B, KVH, S + Q]
 (summed over the KV head's H / KVH query heads); with `mass_logits` the raw scaled scores of the keys each marked
@@ -48,10 +49,14 @@ def reference(a: PackedArgs, return_lse: bool = False, mass_queries: torch.Tenso
     B, Lq, H, D = q.shape
     if mass_queries is not None:
         mass_queries = mass_queries.expand(B, Lq)
-    kc, vc = a.k_cache, a.v_cache
-    if a.kv_index is not None:  # a pool addressed through an index: gather each row's keys
-        kc, vc = kc[a.kv_index.long()], vc[a.kv_index.long()]
-    S, KVH = kc.shape[1], kc.shape[2]
+    kc, vc, index = a.k_cache, a.v_cache, a.kv_index
+    source = kc.shape[1] if index is None else index.shape[1]
+    S = visible_keys(a.prefix_len, source, q)
+    if index is not None:  # a pool addressed through an index: gather each row's keys
+        kc, vc = kc[index[:, :S].long()], vc[index[:, :S].long()]
+    else:
+        kc, vc = kc[:, :S], vc[:, :S]
+    KVH = kc.shape[2]
     pre_seen = (torch.arange(S, device=q.device)[None, :] < a.prefix_len.to(q.device)[:, None])[:, None, :]
     if isinstance(a.rule, ExplicitMask):
         pre_seen = pre_seen & a.rule.mask[..., :S]
@@ -70,4 +75,17 @@ def reference(a: PackedArgs, return_lse: bool = False, mass_queries: torch.Tenso
         lses.append(lse)
         masses.append(m)
     cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
-    return cat(outs), (cat(lses) if return_lse else None), (cat(masses) if mass_queries is not None else None)
+    mass = cat(masses) if mass_queries is not None else None
+    if mass is not None and S < source:  # the keys not read got no mass
+        mass = torch.cat([mass[..., :S], mass.new_zeros(*mass.shape[:-1], source - S), mass[..., S:]], -1)
+    return cat(outs), (cat(lses) if return_lse else None), mass
+
+
+def visible_keys(prefix_len: torch.Tensor, source: int, q: torch.Tensor) -> int:
+    """How many of the source's keys to read: on the CPU, eagerly, up to the longest visible prefix (a host read
+    costs nothing there, and a server's cache is sized for its longest request: the keys past every row's prefix
+    are masked, so skipping them changes nothing); elsewhere all (no host sync in a CUDA graph or a compiled
+    graph)."""
+    if q.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting() or source == 0:
+        return source
+    return min(source, int(prefix_len.max()))

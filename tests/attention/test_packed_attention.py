@@ -1,4 +1,5 @@
 """Packed attention: the torch reference and the dispatch (CPU), the CuPy and Triton kernels (GPU)."""
+import dataclasses
 import importlib.util
 import itertools
 import random
@@ -194,6 +195,35 @@ def test_run_on_cpu_is_the_reference(rule, source):
     torch.testing.assert_close(mass.double(), n_mass, rtol=1e-5, atol=1e-5)
     if rule == "blind":  # row 1 sees no key: out 0, lse -inf, no mass
         assert (out[1] == 0).all() and (lse[1] == float("-inf")).all() and (mass[1] == 0).all()
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("rule", ["block_causal", "verify", "explicit"])
+def test_the_cpu_reference_reads_up_to_the_longest_prefix(monkeypatch, rule, source, per_head):
+    """On the CPU the reference reads the KV source up to the longest visible prefix (a server's cache is sized for
+    its longest request): the same output, lse and mass as reading all of it, the mass zero past the prefixes and
+    of the source's full width."""
+    import compiledllm.attention.reference as ref_mod
+
+    if rule == "explicit" and source == "paged":
+        pytest.skip("ExplicitMask takes no kv_index")
+    a, _ = rule_case(rule, source)
+    a = dataclasses.replace(a, prefix_len=torch.tensor([7, 0, 3]))  # the source holds 20 keys a row
+    queries = torch.rand(a.q.shape[:2], generator=torch.Generator().manual_seed(3)) < 0.6
+    read = []
+    real = ref_mod.visible_keys
+    monkeypatch.setattr(ref_mod, "visible_keys", lambda *args: read.append(real(*args)) or read[-1])
+    cut = reference(a, True, queries, per_head)
+    monkeypatch.setattr(ref_mod, "visible_keys", lambda prefix_len, source, q: source)
+    whole = reference(a, True, queries, per_head)
+    assert read == [7]
+    for got, want in zip(cut, whole):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert cut[2].shape[-1] == 20 + a.q.shape[1] and (cut[2][..., 7:20] == 0).all()
+    n_out, n_lse, n_mass = naive_rule_attention(a, queries, per_head)
+    torch.testing.assert_close(cut[0].double(), n_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cut[2].double(), n_mass, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("source", SOURCES)
