@@ -13,10 +13,10 @@ ends a whole number of blocks after it. Per block:
   [0, block_start) as the refresh wrote it; nothing is written to the cache. Q shrinks as blocks go by, as Fast-dLLM's
   window does, within static shapes: a phase per window ("decode" Q = the KV capacity T, "decode1", "decode2", ..
   T / 2, T / 4, .. in whole blocks, down to one block), and a step runs the narrowest one that holds its rows'
-  longest suffix (the host keeps each row's suffix, read when its block begins, after the step's own sync). With `dual: true`
-  (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the cached suffix
-  [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the store is one
-  pool per layer read through an index (kv/pooled.py).
+  longest suffix (the host keeps each row's suffix, read when its block begins, after the step's own sync). With
+  `dual: true` (generate_with_dual_cache) the window is the block alone, and it sees the cached prefix and the
+  cached suffix [block_end, work length) as the refresh wrote them: a KV source with a hole at the block, so the
+  store is one pool per layer read through an index (kv/pooled.py).
 
 The refresh (and with `dual` the decode) runs narrowed to the rows' working sequences (Policy.narrow_phases).
 
