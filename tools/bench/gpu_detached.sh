@@ -4,7 +4,9 @@
 # brings back at most 8 files). STAGES run one at a time in the order given (gpu_session.sh alone runs its own order).
 #   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
-# A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed). A stage's
+# A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
+# "gpulist@tests/engine,tests/kv" is the GPU list of those folders alone (log gpu_list_<n>.log, n its place in STAGES),
+# so that the whole list, longer than one call, runs as stages across calls. A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
 # The working tree and the carried .whl reach the device's 64 MiB limit (2026-12-06: refused at 64.8 MiB): move
 # docs/results/*.png (2 MiB, no stage reads them) out of the tree for the call and back after it.
@@ -17,9 +19,10 @@ if [ "${START:-0}" = 1 ]; then
   if ! python3 -c "import pydantic" 2>/dev/null; then  # once, before stages that may run at once
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
-  setsid bash -c "for s in \$STAGES; do echo \"== stage \$s \$(date +%T)\"; for part in \${s//+/ }; do \
-    OUT=$RES STAGES=\$part bash tools/bench/gpu_session.sh & done; wait; done > $RES/session.log 2>&1; date +%T > $RES/DONE" \
-    < /dev/null &
+  setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; for part in \${s//+/ }; do \
+    paths=\${part#gpulist@}; [ \"\$paths\" != \"\$part\" ] && part=gpulist || paths=\${GPULIST_PATHS:-tests}; \
+    OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n bash tools/bench/gpu_session.sh & done; wait; \
+    done > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
 fi
 t0=$(date +%s)
 while [ ! -f "$RES/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-540}" ]; do sleep 5; done

@@ -276,7 +276,7 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   # its timeout still names every test that ran
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
   timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m gpu ${GPULIST_PATHS:-tests} --durations=12 -p no:cacheprovider 2>&1 \
-    | tee "$OUT/gpu_list.log" | tail -22
+    | tee "$OUT/gpu_list${GPULIST_TAG:+_$GPULIST_TAG}.log" | tail -22
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
   timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
