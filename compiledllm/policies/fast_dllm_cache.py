@@ -48,7 +48,7 @@ from compiledllm.kv.pooled import PooledLayout, pool_index
 from compiledllm.policies.base import Policy, PolicyConfig, check_probability
 from compiledllm.policies.peer_rules import check_steps, fixed_count, select
 from compiledllm.policies.plan import Forward, Update, route_groups
-from compiledllm.policies.windows import expand, widths
+from compiledllm.policies.windows import expand, fit, report, tally, widths
 
 
 @dataclass(frozen=True)
@@ -190,11 +190,10 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         h, T = step.state, step.capacity
         if self.config.dual:
             return [PhaseRun("refresh", step.begun), "decode"]
-        need = max(h.get("suffix", {}).get(s, T) for s in step.rows)
-        phase, Q = [(ph, q) for ph, q in query_windows(T, self.block_size).items() if q >= need or q == T][-1]
-        count = h.setdefault("windows", {})
-        count[Q] = count.get(Q, 0) + 1
-        return [PhaseRun("refresh", step.begun), phase]
+        Bk = self.block_size
+        Q = fit(T, Bk, max(h.get("suffix", {}).get(s, T) for s in step.rows), query_halvings(T, Bk))
+        tally(h, "decode_windows", Q)
+        return [PhaseRun("refresh", step.begun), {q: ph for ph, q in query_windows(T, Bk).items()}[Q]]
 
     def on_blocks(self, host, rows):
         if self.config.dual:
@@ -209,8 +208,7 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
 
     def host_stats(self, host) -> dict:
         """The prefix cache's decode steps per window size (query positions): how far the window shrank."""
-        count = host.state.get("windows")
-        return {"decode_windows": dict(sorted(count.items(), reverse=True))} if count else {}
+        return report(host.state, "decode_windows")
 
     def report(self, st, slot):
         return {"nfe": int(st.policy["nfe"][slot])}
@@ -219,5 +217,9 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
 def query_windows(T: int, block: int) -> dict[str, int]:
     """The prefix cache's decode phases at capacity T -> their query positions, widest first: "decode" T, then
     "decode1", "decode2", .. halving in whole blocks down to one block (the last block's window)."""
-    blocks = -(-T // block)
-    return {f"decode{k or ''}": w for k, w in enumerate(widths(T, block, (blocks - 1).bit_length() + 1))}
+    return {f"decode{k or ''}": w for k, w in enumerate(widths(T, block, query_halvings(T, block)))}
+
+
+def query_halvings(T: int, block: int) -> int:
+    """Halvings of T that reach one block."""
+    return (-(-T // block) - 1).bit_length() + 1

@@ -27,9 +27,9 @@ def widths(T: int, block: int, halvings: int = HALVINGS) -> tuple[int, ...]:
     return tuple(out)
 
 
-def fit(T: int, block: int, need: int) -> int:
+def fit(T: int, block: int, need: int, halvings: int = HALVINGS) -> int:
     """The narrowest width that holds `need` positions (T always holds a row)."""
-    return [w for w in widths(T, block) if w >= need or w == T][-1]
+    return [w for w in widths(T, block, halvings) if w >= need or w == T][-1]
 
 
 def named(phase: str, width: int, T: int) -> str:
@@ -67,14 +67,20 @@ def narrow(schedule: Sequence, narrow_phases: Iterable[str], T: int, block: int,
             out.append(entry)
             continue
         width = fit(T, block, max(lengths[s] for s in on))
-        count = state.setdefault("widths", {})
-        count[width] = count.get(width, 0) + 1
+        tally(state, "widths", width)
         name = named(phase, width, T)
         out.append(PhaseRun(name, entry.rows) if run else name)
     return out
 
 
-def report(state: dict) -> dict:
-    """{"widths": {width: phase runs}} of the narrowed phases run so far, widest first (nothing if none)."""
-    count = state.get("widths")
-    return {"widths": dict(sorted(count.items(), reverse=True))} if count else {}
+def tally(state: dict, key: str, width: int) -> None:
+    """One more run at `width`, counted in the host state under `key` (`report`)."""
+    count = state.setdefault(key, {})
+    count[width] = count.get(width, 0) + 1
+
+
+def report(state: dict, key: str = "widths") -> dict:
+    """{key: {width: runs}} of the widths tallied under `key` so far, widest first (nothing if none): by default
+    the narrowed phases' (bench's policy_stats)."""
+    count = state.get(key)
+    return {key: dict(sorted(count.items(), reverse=True))} if count else {}
