@@ -5,11 +5,11 @@
 #   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
 # A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
-# "gpulist@tests/engine,tests/kv" is the GPU list of those folders alone (log gpu_list_<n>.log, n its place in STAGES),
-# so that the whole list, longer than one call, runs as stages across calls. A stage's
+# "gpulist@tests/engine,tests/kv" is the GPU list of those folders alone (log gpu_list_<n>.<m>.log: stage n, part m),
+# so that the whole list, longer than one call, runs as stages across calls (or as parts of one stage, untimed). A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
-# The working tree and the carried .whl reach the device's 64 MiB limit (2026-12-06: refused at 64.8 MiB): move
-# docs/results/*.png (2 MiB, no stage reads them) out of the tree for the call and back after it.
+# The working tree and the carried .whl (6.4 MiB: pydantic, fastapi, openai, ... for Python 3.12) reach the device's
+# 64 MiB limit: move docs/results/ (4.6 MiB, no stage reads it) out of the tree for the calls and back after them.
 set -uo pipefail
 RES=/tmp/gpu_results
 OUT=${OUT:-/tmp/out}
@@ -19,9 +19,9 @@ if [ "${START:-0}" = 1 ]; then
   if ! python3 -c "import pydantic" 2>/dev/null; then  # once, before stages that may run at once
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
-  setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; for part in \${s//+/ }; do \
+  setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; m=0; for part in \${s//+/ }; do m=\$((m+1)); \
     paths=\${part#gpulist@}; [ \"\$paths\" != \"\$part\" ] && part=gpulist || paths=\${GPULIST_PATHS:-tests}; \
-    OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n bash tools/bench/gpu_session.sh & done; wait; \
+    OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n.\$m bash tools/bench/gpu_session.sh & done; wait; \
     done > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
 fi
 t0=$(date +%s)
