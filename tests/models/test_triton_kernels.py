@@ -32,15 +32,20 @@ def moe_layer(E, k, D, F, seed=0) -> MoE:
     return moe.to(torch.bfloat16)
 
 
-def reference(moe: MoE, x, ids, w) -> torch.Tensor:
-    """float64 per (token, rank), from the same bf16 weights; the activation rounded to bf16 as the kernel stores it."""
+def reference(moe: MoE, x, ids, w, chunk: int = 32) -> torch.Tensor:
+    """float64 per (token, rank), from the same bf16 weights; the activation rounded to bf16 as the kernel stores it.
+    `chunk` tokens at a time: the gathered float64 weights of 1,024 tokens x 8 ranks at LLaDA2.0-mini's expert shape
+    are 128 GiB (an H100 ran out of memory, 2026-12-06)."""
     wgu, wd = moe.w_gate_up.double(), moe.w_down.double()
-    xg = x.double()[:, None, :]  # [T, 1, D]
-    gu = torch.einsum("tkd,tkfd->tkf", xg.expand(-1, ids.shape[1], -1), wgu[ids])
-    gate, up = gu.chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).double()
-    y = torch.einsum("tkf,tkdf->tkd", act, wd[ids])
-    return (y * w[..., None].double()).sum(1)
+    out = []
+    for i in range(0, x.shape[0], chunk):
+        xi, ii = x[i:i + chunk].double(), ids[i:i + chunk]
+        gu = torch.einsum("tkd,tkfd->tkf", xi[:, None, :].expand(-1, ii.shape[1], -1), wgu[ii])
+        gate, up = gu.chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).double()
+        y = torch.einsum("tkf,tkdf->tkd", act, wd[ii])
+        out.append((y * w[i:i + chunk, :, None].double()).sum(1))
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
