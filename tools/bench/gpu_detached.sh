@@ -6,10 +6,12 @@
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
 # A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
 # "gpulist@tests/engine,tests/kv" is the GPU list of those folders alone (log gpu_list_<n>.<m>.log: stage n, part m),
-# so that the whole list, longer than one call, runs as stages across calls (or as parts of one stage, untimed). A stage's
+# so that the whole list, longer than one call, runs as stages across calls (or as parts of one stage, untimed; the
+# whole list as four parts at once: STAGES="gpulist@tests/engine+gpulist@tests/policies+gpulist@tests/attention+
+# gpulist@tests/models,tests/cli", one string; one after the other on an H100 they took 508 + 219 + 318 s). A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
 # The working tree and the carried .whl (6.4 MiB: pydantic, fastapi, openai, ... for Python 3.12) reach the device's
-# 64 MiB limit: move docs/results/ (4.6 MiB, no stage reads it) out of the tree for the calls and back after them.
+# 64 MiB limit: move docs/ (4.9 MiB, no stage reads it) out of the tree for the calls and back after them (63.4 MiB).
 set -uo pipefail
 RES=/tmp/gpu_results
 OUT=${OUT:-/tmp/out}
