@@ -336,7 +336,9 @@ def qkv() -> None:
         for a, b in zip((*got, *(p[kept] for p in pools[1])), (*want, *(p[kept] for p in pools[0]))):
             torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{case}: {m}")
         assert pools[1][0][kept].abs().sum() > 0, case
-        bare = fused_qkv_rope_write(x, w, cos, sin, H, KVH)  # no rows: nothing written, the same q, k, v
+        # no rows: nothing written, the same q, k, v at the same row tile (Triton 3.9's interpreter rounds a float16
+        # dot differently at another tile: 3 of 20,480 q values at 16 against the default 32, 2026-12-06)
+        bare = fused_qkv_rope_write(x, w, cos, sin, H, KVH, block_m=bm)
         for a, b in zip(bare, got):
             assert torch.equal(a, b), case
 
