@@ -5,10 +5,8 @@
 #   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
 # A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
-# "gpulist@tests/engine,tests/kv" is the GPU list of those folders alone (log gpu_list_<n>.<m>.log: stage n, part m),
-# so that the whole list, longer than one call, runs as stages across calls (or as parts of one stage, untimed; the
-# whole list as four parts at once: STAGES="gpulist@tests/engine+gpulist@tests/policies+gpulist@tests/attention+
-# gpulist@tests/models,tests/cli", one string; one after the other on an H100 they took 508 + 219 + 318 s). A stage's
+# "gpulist" alone runs every test folder's GPU tests at once (logs gpu_list_<folder>.log); "gpulist@tests/engine,tests/kv"
+# is the GPU list of those folders as one pytest (log gpu_list_<n>.<m>.log: stage n, part m). A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
 # The working tree and the carried .whl (6.4 MiB: pydantic, fastapi, openai, ... for Python 3.12) reach the device's
 # 64 MiB limit: move docs/ (4.9 MiB, no stage reads it) out of the tree for the calls and back after them (63.4 MiB).
@@ -22,7 +20,7 @@ if [ "${START:-0}" = 1 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
   setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; m=0; for part in \${s//+/ }; do m=\$((m+1)); \
-    paths=\${part#gpulist@}; [ \"\$paths\" != \"\$part\" ] && part=gpulist || paths=\${GPULIST_PATHS:-tests}; \
+    paths=\${part#gpulist@}; [ \"\$paths\" != \"\$part\" ] && part=gpulist || paths=\${GPULIST_PATHS:-}; \
     OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n.\$m bash tools/bench/gpu_session.sh & done; wait; \
     done > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
 fi

@@ -22,7 +22,7 @@
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
-# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu tests`, the whole list),
+# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at once, the whole list),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -271,12 +271,25 @@ if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped 
     --package "$OUT/pkg" > "$OUT/train_tiny_llada.log" 2>&1
   tail -n 4 "$OUT/train_tiny_llada.log"
 fi
-if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. Since models load again
-  # (2026-12-06) the list takes more than one 560 s call: give GPULIST_PATHS a few folders a call. -v: a list cut by
-  # its timeout still names every test that ran
+if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
+  # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
+  # here is timed; the max-batch bench test bounds its own memory); GPULIST_PATHS runs those paths as one pytest.
+  # -v: a list cut by its timeout still names every test that ran
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
-  timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m gpu ${GPULIST_PATHS:-tests} --durations=12 -p no:cacheprovider 2>&1 \
-    | tee "$OUT/gpu_list${GPULIST_TAG:+_$GPULIST_TAG}.log" | tail -22
+  gpulist() {  # $1: log tag, then the paths
+    local tag=$1; shift
+    timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m gpu "$@" --durations=12 -p no:cacheprovider \
+      > "$OUT/gpu_list_$tag.log" 2>&1
+  }
+  t0=$(date +%s)
+  if [ -n "${GPULIST_PATHS:-}" ]; then
+    gpulist "${GPULIST_TAG:-all}" $GPULIST_PATHS; tail -n 22 "$OUT/gpu_list_${GPULIST_TAG:-all}.log"
+  else
+    for d in tests/*/; do d=${d%/}; gpulist "${d#tests/}" "$d" & done; wait
+    for d in tests/*/; do d=${d%/}; printf '%-10s %s\n' "${d#tests/}" "$(tail -n 1 "$OUT/gpu_list_${d#tests/}.log")"; done
+    for d in tests/*/; do grep -h '^FAILED\|^ERROR' "$OUT/gpu_list_$(basename "$d").log"; done
+  fi
+  echo "gpu list: $(( $(date +%s) - t0 )) s wall"
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
   timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
