@@ -22,7 +22,8 @@
 # the yardstick's 4K / 2K retrieval), flash (issue 28's GPU tests, then tools/bench/bench_qkv_cache.py: the fused cache
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
-# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at once, the whole list),
+# FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
+# once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -270,6 +271,10 @@ if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped 
     ${TRAIN_ARGS:---lr 2e-3 --warmup 50 --steps 6000 --decay-frac 0.5 --deadline 560 --eval quick} --out /tmp/runs/ll \
     --package "$OUT/pkg" > "$OUT/train_tiny_llada.log" 2>&1
   tail -n 4 "$OUT/train_tiny_llada.log"
+fi
+if has aoti; then  # issue 31 item 6: the CUDA AOTInductor load crash, one nn.Linear, each package form x loading variant
+  timeout ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py --out "$OUT/aoti_probe.json" 2>&1 | grep -v -i warn \
+    | tee "$OUT/aoti_probe.log" | tail -5
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
   # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
