@@ -24,6 +24,7 @@
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
+# heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -223,6 +224,24 @@ if has commit; then  # threshold's fused commit against the separate one, same c
       --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
   done
 fi
+herald_sets() {  # the --set overrides (in $sets) and environment (in $envs) of the herald stage's policy name $1
+  local p=$1
+  sets="--set policy.name=${p%%_*}"
+  [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
+  [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
+  [ $p = herald_hostmage ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.query=block"
+  [ $p = herald_hostrep ] && sets="$sets --set policy.pool=host --set policy.lookahead=none"
+  [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
+  [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
+  [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
+  [[ $p = herald_host8* ]] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
+  [[ $p =~ ^herald_host8t([0-9]+)$ ]] && sets="$sets --set policy.host_threads=${BASH_REMATCH[1]}"
+  [ $p = herald_host8w ] && sets="$sets --set prefill.tokens=32768"  # every scratch cache's chunk in one forward
+  envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
+  [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
+  [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
+    --set policy.draft_wait=${DRAFT_WAIT:-4}"
+}
 if has herald; then  # mage / herald (device pool, host pool): exactness on the GPU, the sparse step's speed, then quality
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1 \
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
@@ -241,21 +260,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE;
   # herald_host8w: prefill forwards of 32,768 tokens, so the decode steps between admissions are half as many)
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
-    sets="--set policy.name=${p%%_*}"
-    [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
-    [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
-    [ $p = herald_hostmage ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.query=block"
-    [ $p = herald_hostrep ] && sets="$sets --set policy.pool=host --set policy.lookahead=none"
-    [ $p = herald_hostfwd ] && sets="$sets --set policy.pool=host"
-    [ $p = herald_host ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host"
-    [ $p = herald_keys ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device"
-    [[ $p = herald_host8* ]] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.scratch=8"
-    [[ $p =~ ^herald_host8t([0-9]+)$ ]] && sets="$sets --set policy.host_threads=${BASH_REMATCH[1]}"
-    [ $p = herald_host8w ] && sets="$sets --set prefill.tokens=32768"  # every scratch cache's chunk in one forward
-    envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
-    [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
-    [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
-      --set policy.draft_wait=${DRAFT_WAIT:-4}"
+    herald_sets $p
     var=HERALD_BATCHES_$p; batches=${!var:-${HERALD_BATCHES:-8,32}}  # e.g. HERALD_BATCHES_herald_keys: its own
     env $envs timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
       --set compile=$COMPILE $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
@@ -263,6 +268,24 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   done
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
+  done
+fi
+if has heraldprof; then  # issue 27: where a decode step's time goes, Dense against HERALD's host form (eager, each
+  # phase's kernels timed by CUDA events; host hooks, pool copies and waits land in "other"): HERALDPROF_BATCH prompts
+  # of HERALDPROF_LEN random ids, HERALDPROF_OUT new tokens
+  python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
+  python3 -c "import json, random; r = random.Random(0)
+print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(${HERALDPROF_LEN:-32000})]})
+                for _ in range(${HERALDPROF_BATCH:-16})))" > /tmp/pherald.jsonl
+  for p in ${HERALDPROF_POLICIES:-threshold herald_host8w}; do
+    herald_sets $p
+    env $envs timeout ${HERALDPROF_TIMEOUT:-240} python3 -c "from compiledllm.cli import main; main()" profile \
+      recipes/profile_llada2_mini.yaml $sets --set prompts_file=/tmp/pherald.jsonl --set "prompts=[]" \
+      --set batch_size=${HERALDPROF_BATCH:-16} --set generation.max_new_tokens=${HERALDPROF_OUT:-128} \
+      --out "$OUT/heraldprof_$p" 2>&1 | grep -v -i warn > "$OUT/heraldprof_$p.log"
+    python3 -c "import json; d = json.load(open('$OUT/heraldprof_$p/profile.json')); s = d['summary']
+print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(f\"{r['phase'][:11]} {r['total_ms']:.0f}\"
+      + (f\" ({r['per_step_ms']:.2f}/step)\" if r['per_step_ms'] else '') for r in d['phases']))" 2>&1 | tail -2
   done
 fi
 if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped weights, a fresh schedule of a fixed
