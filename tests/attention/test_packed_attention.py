@@ -341,6 +341,7 @@ def test_kernel_strided_inputs_and_int32_prefix(backend):
 
 
 @gpu
+@pytest.mark.bigmem
 @needs_kernel
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_batch_offsets_past_2_31_elements(backend):
@@ -585,6 +586,7 @@ def test_kernel_groups_paged_cuda_graph_replay(backend, per_head):
 
 
 @gpu
+@pytest.mark.bigmem
 @needs_kernel
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_paged_pool_past_2_31_elements(backend):

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 
 # (tokens, experts, top_k, dim, expert_dim): LLaDA2.0-mini's expert shape at batch 1 and 32, and small ones
 # for each default tile (<= 16, >= 64 and >= 128 pairs per expert)
-SHAPES = [(32, 256, 8, 2048, 512), (1024, 256, 8, 2048, 512), (37, 8, 2, 48, 16), (300, 16, 4, 128, 64),
-          (600, 16, 4, 128, 64)]
+SHAPES = [(32, 256, 8, 2048, 512), pytest.param((1024, 256, 8, 2048, 512), marks=pytest.mark.bigmem),
+          (37, 8, 2, 48, 16), (300, 16, 4, 128, 64), (600, 16, 4, 128, 64)]
 
 
 def moe_layer(E, k, D, F, seed=0) -> MoE:
@@ -32,6 +32,7 @@ def moe_layer(E, k, D, F, seed=0) -> MoE:
     return moe.to(torch.bfloat16)
 
 
+@torch.no_grad()  # the weights are parameters: with autograd every chunk's gathered weights were kept (68 GiB)
 def reference(moe: MoE, x, ids, w, chunk: int = 32) -> torch.Tensor:
     """float64 per (token, rank), from the same bf16 weights; the activation rounded to bf16 as the kernel stores it.
     `chunk` tokens at a time: the gathered float64 weights of 1,024 tokens x 8 ranks at LLaDA2.0-mini's expert shape

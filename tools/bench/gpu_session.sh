@@ -301,21 +301,23 @@ if has aoti; then  # issue 31 item 6: the CUDA AOTInductor load crash, one nn.Li
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
   # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
-  # here is timed; the max-batch bench test bounds its own memory); GPULIST_PATHS runs those paths as one pytest.
-  # -v: a list cut by its timeout still names every test that ran
+  # here is timed; the max-batch bench test bounds its own memory), then the tests marked bigmem alone (run at once,
+  # they ran the card out of memory); GPULIST_PATHS runs those paths as one pytest. -v: a list cut by its timeout
+  # still names every test that ran
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
-  gpulist() {  # $1: log tag, then the paths
-    local tag=$1; shift
-    timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m gpu "$@" --durations=12 -p no:cacheprovider \
+  gpulist() {  # $1: log tag, $2: marker expression, then the paths
+    local tag=$1 marks=$2; shift 2
+    timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m "$marks" "$@" --durations=12 -p no:cacheprovider \
       > "$OUT/gpu_list_$tag.log" 2>&1
   }
   t0=$(date +%s)
   if [ -n "${GPULIST_PATHS:-}" ]; then
-    gpulist "${GPULIST_TAG:-all}" $GPULIST_PATHS; tail -n 22 "$OUT/gpu_list_${GPULIST_TAG:-all}.log"
+    gpulist "${GPULIST_TAG:-all}" gpu $GPULIST_PATHS; tail -n 22 "$OUT/gpu_list_${GPULIST_TAG:-all}.log"
   else
-    for d in tests/*/; do d=${d%/}; gpulist "${d#tests/}" "$d" & done; wait
-    for d in tests/*/; do d=${d%/}; printf '%-10s %s\n' "${d#tests/}" "$(tail -n 1 "$OUT/gpu_list_${d#tests/}.log")"; done
-    for d in tests/*/; do grep -h '^FAILED\|^ERROR' "$OUT/gpu_list_$(basename "$d").log"; done
+    for d in tests/*/; do d=${d%/}; gpulist "${d#tests/}" "gpu and not bigmem" "$d" & done; wait
+    gpulist bigmem "gpu and bigmem" tests
+    for d in tests/*/ bigmem; do t=$(basename "$d"); printf '%-10s %s\n' "$t" "$(tail -n 1 "$OUT/gpu_list_$t.log")"; done
+    for d in tests/*/ bigmem; do grep -h '^FAILED\|^ERROR' "$OUT/gpu_list_$(basename "$d").log"; done
   fi
   echo "gpu list: $(( $(date +%s) - t0 )) s wall"
 fi
