@@ -14,10 +14,14 @@ def available_bytes(device: torch.device) -> int | None:
         if device.index is None:  # "cuda": the current device (the fraction's getter takes no index-less device)
             device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
+        # blocks this process's allocator holds but no tensor uses are free to it, though not to the driver (a
+        # second engine in one process: compiledllm profile's warm-up, eval's policies one after the other)
+        allocated = torch.cuda.memory_allocated(device)
+        free += max(0, torch.cuda.memory_reserved(device) - allocated)
         # a process limited by torch.cuda.set_per_process_memory_fraction (a shared card) may use only its share
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
         if fraction < 1.0:
-            free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(device)))
+            free = min(free, max(0, int(fraction * total) - allocated))
         return free
     try:
         with open("/proc/meminfo") as f:
@@ -52,8 +56,8 @@ def check_fits(tiers: list[Tier], slots: int, capacity: int) -> None:
         if free is not None and total > 0.9 * free:
             parts = ", ".join(f"{t.name} {t.nbytes / 2**30:.1f}" for t in ts)
             raise UserError(f"batch_size {slots} at {capacity} positions needs about {total / 2**30:.1f} GiB on "
-                            f"{device} ({parts}); it has {free / 2**30:.1f} GiB free (lower batch_size or "
-                            "max_new_tokens)")
+                            f"{device} ({parts}) and 10 % to spare; it has {free / 2**30:.1f} GiB free (lower "
+                            "batch_size or max_new_tokens)")
 
 
 def check_weights_fit(nbytes: int, device: torch.device, what: str) -> None:
