@@ -63,9 +63,12 @@ def child(package: Path, data: Path, load: str, outside: bool, device: str) -> d
                  "user_managed=True)") if outside else ""
     code = CHILD.format(pre=pre, kw=kw, constants=constants)
     t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(package), str(data),
-                          str(data.with_name("weights.pt")), device], capture_output=True, text=True, timeout=300,
-                         env=os.environ | env)
+    try:
+        res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(package), str(data),
+                              str(data.with_name("weights.pt")), device], capture_output=True, text=True,
+                             timeout=120, env=os.environ | env)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "s": round(time.perf_counter() - t, 2), "error": "no exit in 120 s"}
     rec = {"rc": res.returncode, "s": round(time.perf_counter() - t, 2)}
     if res.returncode < 0:
         rec["signal"] = signal.Signals(-res.returncode).name
@@ -105,8 +108,10 @@ def main() -> None:
             entry["export_error"] = err
         else:
             for load in LOADS:
-                entry["loads"][load] = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device)
+                entry["loads"][load] = r = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device)
+                print(f"  {pname} / {load}: {r.get('signal') or r.get('error') or 'ok'} in {r['s']} s", flush=True)
         rec["packages"][pname] = entry
+        Path(args.out).write_text(json.dumps(rec, indent=1))  # each package as it ends: a stage's timeout keeps them
         print(f"{pname:18s} export {entry['export_s']:5.1f} s " + (err or "  ".join(
             f"{k}: {v.get('signal') or ('ok %.1e' % v['max_abs_err'] if 'max_abs_err' in v else 'error')}"
             for k, v in entry["loads"].items())), flush=True)
