@@ -283,9 +283,11 @@ print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(${HERA
       recipes/profile_llada2_mini.yaml $sets --set prompts_file=/tmp/pherald.jsonl --set "prompts=[]" \
       --set batch_size=${HERALDPROF_BATCH:-16} --set generation.max_new_tokens=${HERALDPROF_OUT:-128} \
       --out "$OUT/heraldprof_$p" 2>&1 | grep -v -i warn > "$OUT/heraldprof_$p.log"
-    python3 -c "import json; d = json.load(open('$OUT/heraldprof_$p/profile.json')); s = d['summary']
-print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(f\"{r['phase'][:11]} {r['total_ms']:.0f}\"
-      + (f\" ({r['per_step_ms']:.2f}/step)\" if r['per_step_ms'] else '') for r in d['phases']))" 2>&1 | tail -2
+    [ -f "$OUT/heraldprof_$p/profile.json" ] || { echo "$p: $(tail -n 1 "$OUT/heraldprof_$p.log")"; continue; }
+    python3 -c "import json; d = json.load(open('$OUT/heraldprof_$p/profile.json'))
+print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(
+    f\"{r['phase'].split(' (')[0]} {r['total_ms']:.0f}\" + (f\" ({r['per_step_ms']:.2f}/step)\" if r['per_step_ms'] else '')
+    for r in d['phases']))"
   done
 fi
 if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped weights, a fresh schedule of a fixed
