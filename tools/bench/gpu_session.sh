@@ -24,7 +24,8 @@
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
-# heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K),
+# heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
+# recipes/eval_flash.yaml on CUDA),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -334,7 +335,7 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
   # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
   # Elastic-Cache (elastic; elastic5: gamma 0.5, fewer recomputes),
   # flash_dllm (fused cache kernel), + Flash-Verify, with the separate cache path (flashs), with the tracker's logit
-  # score made in the attention's pass (flashl); FLASH_POLICIES picks
+  # score made in the attention's pass (flashl), + Flash-Verify at gamma 0.5 (flashv5); FLASH_POLICIES picks
   for p in ${FLASH_POLICIES:-nocache prefix dual elastic flash flashv flashs flashl}; do
     case $p in
       elastic) sets="--set policy.name=elastic_cache" ;;
@@ -344,6 +345,7 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
       dual) sets="--set policy.name=fast_dllm_cache --set policy.dual=true" ;;
       flash) sets="" ;;
       flashv) sets="--set policy.verify=true" ;;
+      flashv5) sets="--set policy.verify=true --set policy.gamma=0.5" ;;
       flashs) sets="--set policy.fused_cache=false" ;;
       flashl) sets="--set policy.track_score=logits" ;;
     esac
@@ -354,6 +356,12 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
   for n in $(echo ${FLASH_OUTPUTS:-256,512} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/flash_bench_*.json --output-len $n --out "$OUT/flash_bench_$n.png" 2>&1 | tail -1
   done
+fi
+if has flashyard; then  # issue 28 item 6's "yardstick model end to end": recipes/eval_flash.yaml on CUDA, every policy
+  # (quality, tokens per forward and tokens/s on the real tasks, the trained tiny-llada; a 9M model is launch-bound)
+  timeout ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm eval recipes/eval_flash.yaml --set model.device=cuda \
+    --set limit=${FLASHYARD_LIMIT:-32} -o "$OUT/eval_flash_cuda.json" 2>&1 | grep -v -i warn | tee "$OUT/eval_flash_cuda.log" \
+    | tail -14
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
