@@ -250,7 +250,7 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
     tests/policies/test_herald.py tests/engine/test_hooks.py -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do  # the same call's ceilings: HBM, PCIe, DRAM, ext/
     [ "${HERALD_CEILINGS:-1}" = 1 ] && timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx \
-      --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -6
+      --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -7
   done
   # the host pool's ablation: herald_hostmage (the B [MASK] queries' CPU attention at the boundary: MAGE-Offload's
   # selection on the CPU), herald_hostrep (+ one representative query), herald_hostfwd (+ the draft's lookahead:

@@ -1,8 +1,9 @@
 """The ceilings HERALD's speed table is read against, measured in the same device call as the bench: HBM and bf16
 matmul rate (gpu_timing.ceilings), PCIe with pinned memory both ways, the host's DRAM read rate, and ext/'s scan and
 value gather alone at the bench's shape (LLaDA2.0-mini: 18 selecting layers of 4 KV heads x 4 query heads x 128, a
-5 % budget; every layer in one call, as the host pool's scan; pageable and pinned) on the cores the host worker uses;
-then what one block of one request costs on each.
+5 % budget; every layer in one call, as the host pool's scan; pageable and pinned) on the cores the host worker uses,
+and again while a thread streams pinned memory to the GPU (as the pool's uploads do); then what one block of one
+request costs on each.
 
     python tools/bench/herald_ceilings.py --prefix 32000 [--rows 1,8] [--out herald_ceilings.json]
 """
@@ -12,7 +13,9 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -66,6 +69,38 @@ def scan_and_gather(S: int, rows: int, threads: int, pinned: bool) -> dict:
             "gather_s": gather, "gather_gbs": 2 * n * KVH * keep * D * 2 / gather / 1e9}
 
 
+@contextmanager
+def copy_traffic(gib: float = 0.5):
+    """A thread copying a pinned host buffer to the GPU over and over (on the CPU: host to host), as the host pool's
+    uploads do while the selection scans: whether the scan keeps its rate with DMA reading the same DRAM (issue 27:
+    the bench's worker scanned at about half this script's rate). Yields a dict that gets the traffic's GB/s."""
+    n = int(gib * (1 << 30)) // 2
+    cuda = torch.cuda.is_available()
+    src = torch.empty(n, dtype=torch.bfloat16, pin_memory=cuda).fill_(1)
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
+    stream, stop, copies, stats = torch.cuda.Stream() if cuda else None, threading.Event(), [0], {}
+
+    def loop() -> None:
+        while not stop.is_set():
+            if cuda:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+            else:
+                dst.copy_(src)
+            copies[0] += 1
+
+    worker, t0 = threading.Thread(target=loop, daemon=True), time.perf_counter()
+    worker.start()
+    try:
+        yield stats
+    finally:
+        stop.set()
+        worker.join()
+        stats["traffic"] = "host to GPU, pinned" if cuda else "host to host"
+        stats["traffic_gbs"] = copies[0] * 2 * n / (time.perf_counter() - t0) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", type=int, default=32000)
@@ -97,6 +132,13 @@ def main() -> None:
                   f"{'pinned' if pin else 'pageable'}: scan {rec['ext'][-1]['scan_gbs']:.1f} GB/s "
                   f"({rec['ext'][-1]['scan_s'] / int(r) * 1e3:.1f} ms a request-block), "
                   f"K+V gather {rec['ext'][-1]['gather_gbs']:.1f} GB/s", flush=True)
+    if rec["ext"]:  # the widest call again, pinned where the pool is, while copies read the same DRAM
+        r = max(int(x) for x in args.rows.split(","))
+        with copy_traffic() as traffic:
+            busy = scan_and_gather(S, r, threads, torch.cuda.is_available())
+        rec["ext_under_copies"] = busy | traffic
+        print(f"ext/ at {S} keys, {r} rows, under {traffic['traffic']} copies at {traffic['traffic_gbs']:.1f} GB/s: "
+              f"scan {busy['scan_gbs']:.1f} GB/s, K+V gather {busy['gather_gbs']:.1f} GB/s", flush=True)
     # one block of one request: its keys scanned in every selecting layer, its selection (K and V, or V) over PCIe
     row_keys = LAYERS * KVH * S * D * 2
     per_block = {"keys_bytes": row_keys, "selection_kv_bytes": 2 * LAYERS * KVH * keep * D * 2}
