@@ -190,3 +190,14 @@ def test_bench_interleave_on_a_tiny_model(tmp_path):
     for p in report["points"]:  # 4 requests on 2 slots: later ones prefill while rows decode
         assert p["stalled_steps"] > 0 and 0 < p["stall_max_ms"] and p["first_block_p50_s"] <= p["latency_p50_s"]
     assert json.loads((tmp_path / "i.json").read_text()) == report
+
+
+def test_quality_speed_chart_draws_an_eval_report(tmp_path):
+    """tools/plots/plot_quality_speed.py on the recorded issue-28 grid: one point per policy and file, two panels."""
+    pytest.importorskip("matplotlib")
+    import plot_quality_speed
+
+    out = tmp_path / "quality_speed.png"
+    plot_quality_speed.main([str(ROOT / "docs" / "results" / "eval_flash_cpu_s12_run4.json"), "--out", str(out),
+                             "--dpi", "40"])
+    assert out.stat().st_size > 5_000
