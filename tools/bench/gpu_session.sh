@@ -362,6 +362,8 @@ if has flashyard; then  # issue 28 item 6's "yardstick model end to end": recipe
   timeout ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm eval recipes/eval_flash.yaml --set model.device=cuda \
     --set limit=${FLASHYARD_LIMIT:-32} -o "$OUT/eval_flash_cuda.json" 2>&1 | grep -v -i warn | tee "$OUT/eval_flash_cuda.log" \
     | tail -14
+  python3 tools/plots/plot_quality_speed.py "$OUT/eval_flash_cuda.json" --out "$OUT/quality_speed_flash_cuda.png" 2>&1 \
+    | tail -1
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
