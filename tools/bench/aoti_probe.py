@@ -8,7 +8,6 @@ loading variant; a child's exit by signal is the crash. Prints a table and write
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import shutil
@@ -86,7 +85,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the same probe of CPU packages (they load; a check of this"
                     " script)")
     args = ap.parse_args()
-    faulthandler.enable()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("aoti_probe: needs a CUDA device (the crash is in loading CUDA packages)")
     tmp = Path(tempfile.mkdtemp(prefix="aoti_probe_"))
@@ -115,7 +113,6 @@ def main() -> None:
         print(f"{pname:18s} export {entry['export_s']:5.1f} s " + (err or "  ".join(
             f"{k}: {v.get('signal') or ('ok %.1e' % v['max_abs_err'] if 'max_abs_err' in v else 'error')}"
             for k, v in entry["loads"].items())), flush=True)
-    Path(args.out).write_text(json.dumps(rec, indent=1))
     for pname, entry in rec["packages"].items():  # the crash's place, once
         crash = next((v for v in entry["loads"].values() if v.get("stack")), None)
         if crash:

@@ -127,11 +127,12 @@ def main() -> None:
     rec["ext"] = []
     for r in args.rows.split(",") if cs.extension_available() else []:
         for pin in pins:
-            rec["ext"].append(scan_and_gather(S, int(r), threads, pin))
+            m = scan_and_gather(S, int(r), threads, pin)
+            rec["ext"].append(m)
             print(f"ext/ at {S} keys, {r} rows x {LAYERS} layers a call, {threads} threads, "
-                  f"{'pinned' if pin else 'pageable'}: scan {rec['ext'][-1]['scan_gbs']:.1f} GB/s "
-                  f"({rec['ext'][-1]['scan_s'] / int(r) * 1e3:.1f} ms a request-block), "
-                  f"K+V gather {rec['ext'][-1]['gather_gbs']:.1f} GB/s", flush=True)
+                  f"{'pinned' if pin else 'pageable'}: scan {m['scan_gbs']:.1f} GB/s "
+                  f"({m['scan_s'] / int(r) * 1e3:.1f} ms a request-block), K+V gather {m['gather_gbs']:.1f} GB/s",
+                  flush=True)
     if rec["ext"]:  # the widest call again, pinned where the pool is, while copies read the same DRAM
         r = max(int(x) for x in args.rows.split(","))
         with copy_traffic() as traffic:
