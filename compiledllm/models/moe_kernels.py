@@ -16,15 +16,11 @@ def row_tile(tile_end_ptr, offs_ptr, E: tl.constexpr, E_P2: tl.constexpr, BM: tl
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: tl.constexpr,
-                   E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
-    if e >= E:
-        return
+def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, D: tl.constexpr, F: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act[act_rows] = silu(x[tok] @ Wg[e]^T) * (x[tok] @ Wu[e]^T) on this program's N tile, rows where live."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
     xa = x_ptr + tok.to(tl.int64)[:, None] * D + rk[None, :]
     wg = w_ptr + e.to(tl.int64) * (2 * F * D) + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg[e]^T
     wu = wg + F * D
@@ -35,21 +31,17 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: 
         acc_g = tl.dot(a, tl.load(wg + k0), acc_g)
         acc_u = tl.dot(a, tl.load(wu + k0), acc_u)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * F + n[None, :], h.to(act_ptr.dtype.element_ty),
+    tl.store(act_ptr + act_rows.to(tl.int64)[:, None] * F + n[None, :], h.to(act_ptr.dtype.element_ty),
              mask=live[:, None])
 
 
 @triton.jit
-def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, E: tl.constexpr,
-                E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
-    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
-    if e >= E:
-        return
+def down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, act_rows, pair, live, e, D: tl.constexpr, F: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[pair] = w[pair] * (act[act_rows] @ Wd[e]^T) on this program's N tile, rows where live."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    pair = tl.load(order_ptr + rows, mask=live, other=0)
-    aa = act_ptr + rows.to(tl.int64)[:, None] * F + rk[None, :]
+    aa = act_ptr + act_rows.to(tl.int64)[:, None] * F + rk[None, :]
     wd = w_ptr + e.to(tl.int64) * (D * F) + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd[e]^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, F, BK):
@@ -59,6 +51,63 @@ def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr
     # y is [T * k, D] in pair order (token-major): combine_kernel reads a token's k rows as one span
     tl.store(y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=live[:, None])
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: tl.constexpr,
+                   E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Sorted form: program (row tile, N tile); act in sorted slot order."""
+    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    if e >= E:
+        return
+    tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
+    gate_up_tile(x_ptr, w_ptr, act_ptr, tok, rows, live, e, D, F, BM, BN, BK)
+
+
+@triton.jit
+def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, E: tl.constexpr,
+                E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    if e >= E:
+        return
+    pair = tl.load(order_ptr + rows, mask=live, other=0)
+    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, rows, pair, live, e, D, F, BM, BN, BK)
+
+
+@triton.jit
+def scan_rows(ids_ptr, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr):
+    """Scan form: (expert, tokens [BM], their pairs with this expert, live) of program (expert, N tile): every
+    token's ids are read and the tokens that chose the expert kept (top-k ids are distinct: at most one rank)."""
+    e = tl.program_id(0)
+    t = tl.arange(0, BM)
+    r = tl.arange(0, TOPK_P2)
+    ids = tl.load(ids_ptr + t[:, None] * TOPK + r[None, :], mask=(t[:, None] < T) & (r[None, :] < TOPK), other=-1)
+    hit = ids == e
+    live = tl.max(hit.to(tl.int32), axis=1) > 0
+    pair = t * TOPK + tl.sum(tl.where(hit, r[None, :], 0), axis=1)
+    return e, t, pair, live
+
+
+@triton.jit
+def gate_up_scan_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, T, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                        TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Scan form (T <= BM tokens): program (expert, N tile); act in pair order; an unchosen expert returns."""
+    e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
+    if tl.max(live.to(tl.int32), axis=0) == 0:
+        return
+    gate_up_tile(x_ptr, w_ptr, act_ptr, t, pair, live, e, D, F, BM, BN, BK)
+
+
+@triton.jit
+def down_scan_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, rw_ptr, T, D: tl.constexpr, F: tl.constexpr,
+                     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
+    if tl.max(live.to(tl.int32), axis=0) == 0:
+        return
+    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, pair, pair, live, e, D, F, BM, BN, BK)
 
 
 @triton.jit

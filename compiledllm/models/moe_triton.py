@@ -4,7 +4,7 @@ At decode batch sizes an expert sees a few to a few dozen pairs, so the MoE is b
 weights. Each expert's pairs are cut into row tiles of BM; one program owns (row tile, N tile): it streams
 that N tile of its expert's weights and applies it to the tile's pairs, gathering token rows through the
 sort order instead of copying them. An expert many tokens chose (blocks of MASK tokens route alike) gets
-many row tiles that run in parallel and re-read its weights from L2. Four to six launches per call:
+many row tiles that run in parallel and re-read its weights from L2. Three to six launches per call:
   sort:    each pair's slot = its expert's offset (cumsum of the counts) + its position among that expert's pairs,
            the offsets and each BM's row tiles per expert: one program up to SORT_SMALL_PAIRS pairs (positions in
            pair order), else a zero fill of the E counters, positions by an atomic add on them (order within an
@@ -12,11 +12,13 @@ many row tiles that run in parallel and re-read its weights from L2. Four to six
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[pair(p)] = w[pair(p)] * (act[p] @ Wd[e]^T)                     (pair = token * k + rank)
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
-A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed, so no expert kernel
-reads it, and combine adds 0 for it. The router (sigmoid, group-limited top-k, weights) is one more kernel; block
-routing (models/block_routing.py) two, or one for rows of up to BLOCK_ROUTE_ROW_MAX tokens. Static shapes (the grid
-covers the most row tiles any routing can need; spare programs return at once), no host sync: it compiles and
-captures.
+Up to EXPERT_SCAN_TOKENS tokens (a decode row) there is no sort: a program per (expert, N tile) finds the pairs of
+its expert by reading all the ids (act then in pair order); the same sums in the same order, so a token's bits do
+not depend on the form. A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed
+(the scan form matches no expert to it), so no expert kernel reads it, and combine adds 0 for it. The router
+(sigmoid, group-limited top-k, weights) is one more kernel; block routing (models/block_routing.py) two, or one for
+rows of up to BLOCK_ROUTE_ROW_MAX tokens. Static shapes (the grid covers the most row tiles any routing can need;
+spare programs return at once), no host sync: it compiles and captures.
 Triton is imported lazily (CPU installs have none); `available()` says whether this path can run.
 """
 from __future__ import annotations
@@ -213,6 +215,12 @@ def _(x, w_gate_up, w_down, ids, weights):
     return torch.empty_like(x)
 
 
+# Up to this many tokens the experts take the scan form: no sort, one program per (expert, N tile) reads every
+# token's ids and runs on the rows that chose its expert (a decode row of one 32-token block: 256 pairs whose sort
+# was three launches, ~17 us of a 0.11 ms block-routed layer on the H200). Above it, the sorted form (a scan
+# program's rows are all T tokens, most of them masked). 0: never. Chosen by tools/bench/bench_block_routing.py.
+EXPERT_SCAN_TOKENS = 32
+
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
 # and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs.
 # 0 (never) until tools/bench/bench_block_routing.py --sweep has timed both on a GPU.
@@ -244,26 +252,37 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small
     return order, offs, tile_end
 
 
-def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None) -> torch.Tensor:
-    """The op's body; `tiles` overrides the default (gate_up, down) tiles (benchmark sweeps)."""
+def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None,
+           scan: bool | None = None) -> torch.Tensor:
+    """The op's body; `tiles` overrides the default (gate_up, down) tiles, `scan` the form (None: the scan form up
+    to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps)."""
     kern = _kernels()
     T, D = x.shape
     E, F = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     pairs = T * top_k
     t_up, t_down = tiles or default_tiles(pairs, E, D, F)
-    order, offs, tile_end = sort_pairs(ids, E, (t_up.block_m, t_down.block_m))
-    e_p2 = 1 << (E - 1).bit_length()
     act = torch.empty(pairs, F, dtype=x.dtype, device=x.device)
     # y in pair order [T * k, D] (not [k, T, D]): the down kernel stores at row `pair` as it is, and the
     # combine reads each token's k rows as one contiguous k * D span
     y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
-    kern.gate_up_kernel[(max_row_tiles(pairs, E, t_up.block_m), F // t_up.block_n)](
-        x, w_gate_up, act, order, offs, tile_end[0], E=E, E_P2=e_p2, D=D, F=F, TOPK=top_k,
-        BM=t_up.block_m, BN=t_up.block_n, BK=t_up.block_k, num_warps=t_up.warps, num_stages=t_up.stages)
-    kern.down_kernel[(max_row_tiles(pairs, E, t_down.block_m), D // t_down.block_n)](
-        act, w_down, y, order, offs, tile_end[1], weights, E=E, E_P2=e_p2, D=D, F=F, BM=t_down.block_m,
-        BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
+    if (T <= EXPERT_SCAN_TOKENS) if scan is None else scan:
+        bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
+        kern.gate_up_scan_kernel[(E, F // t_up.block_n)](
+            x, w_gate_up, act, ids, T, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_up.block_n,
+            BK=t_up.block_k, num_warps=t_up.warps, num_stages=t_up.stages)
+        kern.down_scan_kernel[(E, D // t_down.block_n)](
+            act, w_down, y, ids, weights, T, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_down.block_n,
+            BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
+    else:
+        order, offs, tile_end = sort_pairs(ids, E, (t_up.block_m, t_down.block_m))
+        e_p2 = 1 << (E - 1).bit_length()
+        kern.gate_up_kernel[(max_row_tiles(pairs, E, t_up.block_m), F // t_up.block_n)](
+            x, w_gate_up, act, order, offs, tile_end[0], E=E, E_P2=e_p2, D=D, F=F, TOPK=top_k,
+            BM=t_up.block_m, BN=t_up.block_n, BK=t_up.block_k, num_warps=t_up.warps, num_stages=t_up.stages)
+        kern.down_kernel[(max_row_tiles(pairs, E, t_down.block_m), D // t_down.block_n)](
+            act, w_down, y, order, offs, tile_end[1], weights, E=E, E_P2=e_p2, D=D, F=F, BM=t_down.block_m,
+            BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
     out = torch.empty_like(x)
     bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
     kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd)

@@ -36,6 +36,9 @@ def main() -> None:
         for row, bm in zip(tile_end, (16, 32)):
             assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32))
         out = moe_triton.launch(x, wgu, wd, skipped, sw, tiles)
+        scan = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=T > moe_triton.EXPERT_SCAN_TOKENS)
+        assert (out[dead] == 0).all() and (scan[dead] == 0).all()  # the other form skips the same pairs
+        assert (scan.double() - out.double()).abs().max().item() <= 1e-3 * out.double().abs().max().item()
         # float64 over the held pairs, the activation rounded to fp16 as stored
         safe = skipped.clamp(max=E - 1)
         gate, up = torch.einsum("td,tkfd->tkf", x.double(), wgu.double()[safe]).chunk(2, dim=-1)

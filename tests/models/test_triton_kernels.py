@@ -76,6 +76,28 @@ def test_rows_do_not_depend_on_the_batch():
             assert torch.equal(moe._routed(x[:n], ids[:n], w[:n], "triton"), full[:n]), n
 
 
+@pytest.mark.parametrize("routing", ["standard", "block48", "dead"])
+def test_scan_form_equals_sorted_form(routing):
+    """The experts' scan form (no sort: decode rows up to EXPERT_SCAN_TOKENS tokens) gives the sorted form's output
+    bitwise, at LLaDA2.0-mini's expert shape: standard routing, a block's 48 admitted experts, and dead tokens."""
+    E, k, D, F = 256, 8, 2048, 512
+    moe = moe_layer(E, k, D, F)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for T in (1, 5, 32):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            ids, w = moe.route(x)
+            if routing == "block48":  # each token's 8 of one block's 48 experts
+                admitted = torch.randperm(E, device="cuda", generator=g)[:48]
+                ids = admitted[torch.rand(T, 48, device="cuda", generator=g).argsort(-1)[:, :k]]
+            if routing == "dead":
+                ids[::2] = E
+                w[::2] = 0
+            outs = [moe_triton.launch(x, moe.w_gate_up, moe.w_down, ids, w, scan=scan) for scan in (False, True)]
+        assert torch.equal(outs[0], outs[1]), (routing, T)
+        assert torch.isfinite(outs[1]).all()
+
+
 def test_prefill_tiles_keep_rows_bitwise():
     """At prefill sizes (from PREFILL_PAIRS_PER_EXPERT pairs per expert) the prefill tiles run, and a token's routed
     output there is bitwise its output in a decode-sized call (other tiles): chunked prefill and decode agree."""

@@ -156,7 +156,8 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     """What the routers', the sort's and the experts' forms cost at this shape, CUDA-graph medians: the block
     router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
     warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
-    whole layer of both routings under the defaults and the candidate forms; the experts' (gate_up, down) tiles on
+    whole layer of both routings under the defaults, the candidate forms, and the experts' sorted and scan forms
+    whatever the tokens (EXPERT_SCAN_TOKENS 0 / unbounded); the experts' (gate_up, down) tiles on
     the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
     gate_up)."""
     c, D = moe.cfg, x.shape[-1]
@@ -180,7 +181,8 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
         lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
     layers = {}
-    for name, settings in (("default", {}), ("candidate", CANDIDATE)):
+    for name, settings in (("default", {}), ("candidate", CANDIDATE), ("sorted", {"EXPERT_SCAN_TOKENS": 0}),
+                           ("scan", {"EXPERT_SCAN_TOKENS": 1 << 20})):
         with forms(**settings):
             layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
                             "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
@@ -220,7 +222,9 @@ def print_sweep(s: dict) -> None:
         f"topk {r['topk']} {r['ms'] * 1e3:.1f}us" for r in s["standard_router"]) + "; sort " + ", ".join(
         f"{k} {v * 1e3:.1f}us" for k, v in s["sort"].items()) + "; layer std/block, default forms " +
         "{standard_ms:.4f}/{block_ms:.4f} ms, candidate forms {c[standard_ms]:.4f}/{c[block_ms]:.4f} ms".format(
-            **s["layers"]["default"], c=s["layers"]["candidate"]) +
+            **s["layers"]["default"], c=s["layers"]["candidate"]) + ", experts sorted {0[standard_ms]:.4f}/"
+        "{0[block_ms]:.4f} ms, scan {1[standard_ms]:.4f}/{1[block_ms]:.4f} ms".format(
+            s["layers"]["sorted"], s["layers"]["scan"]) +
         f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
         f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
         flush=True)
@@ -319,7 +323,8 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
         del standard, blocked
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
-           "block": BLOCK, "capacity": capacity, "forms": {k: getattr(moe_triton, k) for k in CANDIDATE},
+           "block": BLOCK, "capacity": capacity,
+           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS")},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,

@@ -11,7 +11,7 @@
 # session (issue 26's GPU tests: sessions, policy-owned KV, hooks, route groups, block routing, captured), e2evs
 # (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS), serve (issue 30:
 # compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py),
-# blockroute (LLaDA2.2 block routing: tests/models/test_block_routing.py's GPU tests, tools/bench/bench_block_routing.py
+# blockroute (LLaDA2.2 block routing: GPU tests of test_block_routing.py + test_triton_kernels.py, bench_block_routing.py
 # (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml),
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
@@ -194,7 +194,8 @@ if has serve; then  # issue 30: the engine in-process (compiledllm bench) and be
   kill -TERM $SPID; wait $SPID; echo "server exit code $?"; tail -3 /tmp/serve.out
 fi
 if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alone, then end to end (standard vs block 48)
-  timeout ${BLOCKROUTE_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/models/test_block_routing.py -p no:cacheprovider \
+  timeout ${BLOCKROUTE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_block_routing.py \
+    tests/models/test_triton_kernels.py -p no:cacheprovider \
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
   timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
     ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
