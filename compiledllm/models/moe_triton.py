@@ -218,8 +218,10 @@ def _(x, w_gate_up, w_down, ids, weights):
 # Up to this many tokens the experts take the scan form: no sort, one program per (expert, N tile) reads every
 # token's ids and runs on the rows that chose its expert (a decode row of one 32-token block: 256 pairs whose sort
 # was three launches, ~17 us of a 0.11 ms block-routed layer on the H200). Above it, the sorted form (a scan
-# program's rows are all T tokens, most of them masked). 0: never. Chosen by tools/bench/bench_block_routing.py.
-EXPERT_SCAN_TOKENS = 32
+# program's rows are all T tokens, most of them masked). 0: never. It passes the interpreter's checks on the CPU but
+# has not yet run on a GPU (written 2026-12-06, no device time left): 0 until `bench_block_routing.py --sweep 1,8`
+# (layers "sorted" / "scan") and the GPU test test_scan_form_equals_sorted_form have; then 32 if it is faster.
+EXPERT_SCAN_TOKENS = 0
 
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
 # and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs.

@@ -133,9 +133,11 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
 
 
-# The router and sort forms not yet measured (top-k and admission by sort, block phase 1 per decode row, the
-# one-program sort), against moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
-CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512}
+# The router, sort and expert forms not yet chosen (top-k and admission by sort, block phase 1 per decode row, the
+# one-program sort, the experts' scan form for decode rows), against moe_triton's defaults; `--candidate-forms` runs
+# the whole benchmark under them.
+CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512,
+             "EXPERT_SCAN_TOKENS": 32}
 
 
 @contextlib.contextmanager
@@ -324,7 +326,7 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity,
-           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS")},
+           "forms": {k: getattr(moe_triton, k) for k in CANDIDATE},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,

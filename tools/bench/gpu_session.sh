@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, the quickstart on CUDA, then the benchmarks. Writes under $OUT.
 # Usage (device machine, repo root; pydantic wheels carried in .whl): bash tools/bench/gpu_session.sh
+# Every `timeout` has -k 20 (the CLI takes SIGTERM as a stop after its current unit, signals.py, which can outlast a
+# stage: flashyard had not ended 13 minutes after its 400 s eval began, 2026-12-06) and grep is line-buffered.
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/bench/kernel_table.py, eager vs compiled) and
 # attention (packed-attention GPU tests of both kernels, then tools/bench/bench_attention.py, CuPy vs Triton), grid (the
@@ -43,36 +45,36 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py tests/cli/test_profile.py \
+  timeout -k 20 ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py tests/cli/test_profile.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if has attention; then
-  timeout ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/attention/test_packed_attention.py -p no:cacheprovider 2>&1 \
+  timeout -k 20 ${ATTN_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/attention/test_packed_attention.py -p no:cacheprovider 2>&1 \
     | tee "$OUT/attention_tests.log" | tail -6
-  timeout ${ATTN_TIMEOUT:-200} python3 tools/bench/bench_attention.py --out "$OUT/bench_attention_h200.json" \
+  timeout -k 20 ${ATTN_TIMEOUT:-200} python3 tools/bench/bench_attention.py --out "$OUT/bench_attention_h200.json" \
     ${ATTN_ARGS:---batches 8,32,64 --prefixes 4096,32768 --qlens 32 --no-baselines --sweep --budget-s 120} 2>&1 \
-    | grep -v -i warn | tee "$OUT/bench_attention.log" | tail -25
+    | grep --line-buffered -v -i warn | tee "$OUT/bench_attention.log" | tail -25
 fi
 if has quickstart; then
   for g in false true; do
-    timeout 60 python3 -c "from compiledllm.cli import main; main()" run recipes/quickstart.yaml --set model.device=cuda \
+    timeout -k 20 60 python3 -c "from compiledllm.cli import main; main()" run recipes/quickstart.yaml --set model.device=cuda \
       --set model.dtype=bfloat16 --set cuda_graphs=$g --set output=$OUT/quickstart_cuda_graphs_$g.jsonl 2>&1 | tail -6
   done
 fi
 if has sampling; then  # what temperature / top-k / top-p cost: captured steps and end to end, greedy in the same run
-  timeout ${SAMPLING_TIMEOUT:-300} python3 tools/bench/bench_sampling.py --out "$OUT/bench_sampling_h200.json" ${SAMPLING_ARGS:-} \
-    2>&1 | grep -v -i warn | tee "$OUT/bench_sampling.log" | tail -12
+  timeout -k 20 ${SAMPLING_TIMEOUT:-300} python3 tools/bench/bench_sampling.py --out "$OUT/bench_sampling_h200.json" ${SAMPLING_ARGS:-} \
+    2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_sampling.log" | tail -12
 fi
 if has moe; then
-  timeout ${MOE_TIMEOUT:-150} python3 tools/bench/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
+  timeout -k 20 ${MOE_TIMEOUT:-150} python3 tools/bench/bench_moe.py --out "$OUT/bench_moe_h200.json" ${MOE_ARGS:-} 2>&1 \
     | tee "$OUT/bench_moe.log" | tail -8
 fi
 if has head; then
-  timeout ${HEAD_TIMEOUT:-120} python3 tools/bench/bench_head.py --out "$OUT/bench_head_h200.json" ${HEAD_ARGS:-} 2>&1 \
+  timeout -k 20 ${HEAD_TIMEOUT:-120} python3 tools/bench/bench_head.py --out "$OUT/bench_head_h200.json" ${HEAD_ARGS:-} 2>&1 \
     | tee "$OUT/bench_head.log" | tail -8
 fi
 if has decode; then
-  timeout ${BENCH_TIMEOUT:-210} python3 tools/bench/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout -k 20 ${BENCH_TIMEOUT:-210} python3 tools/bench/bench_decode.py --out "$OUT/bench_decode_h200.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_decode.log" | tail -30
 fi
 if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + graphs, with the step's split: one
@@ -80,9 +82,9 @@ if has grid; then  # the issue's whole grid, eager vs CUDA graphs vs compiled + 
   # copied into the tree, space-separated)
   gpus=$(nvidia-smi -L | wc -l)
   for ((i = 0; i < gpus; i++)); do
-    CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$((${CPUS:-$(nproc)} / gpus)) timeout ${GRID_TIMEOUT:-540} \
+    CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$((${CPUS:-$(nproc)} / gpus)) timeout -k 20 ${GRID_TIMEOUT:-540} \
       python3 tools/bench/bench_decode.py --modes eager,graphs,compiled+graphs --split --shard $i/$gpus \
-      ${GRID_RESUME:+--resume $GRID_RESUME} --out "$OUT/bench_decode_grid_shard$i.json" 2>&1 | grep -v -i warn \
+      ${GRID_RESUME:+--resume $GRID_RESUME} --out "$OUT/bench_decode_grid_shard$i.json" 2>&1 | grep --line-buffered -v -i warn \
       > "$OUT/bench_decode_grid_shard$i.log" &
   done
   wait
@@ -98,9 +100,9 @@ if has versus; then  # this tree against an earlier commit's tree in .base/ (git
     for side in base new; do
       dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
       bench=tools/bench/bench_decode.py; [ -f "$dir/$bench" ] || bench=tools/bench_decode.py  # a base from before tools/bench/
-      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${VERSUS_TIMEOUT:-280} python3 $bench \
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout -k 20 ${VERSUS_TIMEOUT:-280} python3 $bench \
         --plan "${VERSUS_PLAN:-llada2.0-mini:4096,32768}" --batches "${VERSUS_BATCHES:-32}" --modes "$modes" \
-        --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -4)
+        --out "$OUT/versus_${side}_r$round.json" 2>&1 | grep --line-buffered -v -i warn | tail -4)
     done
   done
 fi
@@ -108,100 +110,100 @@ if has e2evs; then  # issue 26: compiledllm bench end to end, .base/ (the commit
   for round in $(seq 1 ${E2E_ROUNDS:-1}); do
     for side in base new; do
       dir=$PWD; [ "$side" = base ] && dir=$PWD/.base
-      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout ${E2EVS_TIMEOUT:-200} python3 -m compiledllm bench --set compile=$COMPILE \
+      (cd "$dir" && PYTHONPATH=${SITE_PATH:+$SITE_PATH:}$dir timeout -k 20 ${E2EVS_TIMEOUT:-200} python3 -m compiledllm bench --set compile=$COMPILE \
         recipes/profile_llada2_mini.yaml --prompt-len ${E2EVS_PROMPTS:-4096,32000} --output-len 512 --batch 32 \
-        --out "$OUT/e2evs_${side}_r$round.json" 2>&1 | grep -v -i warn | tail -5)
+        --out "$OUT/e2evs_${side}_r$round.json" 2>&1 | grep --line-buffered -v -i warn | tail -5)
     done
   done
 fi
 if has prefill; then  # issue 19: prefill through the engine (batched chunks) vs the one-row path
-  timeout ${PREFILL_TIMEOUT:-300} python3 tools/bench/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
-    2>&1 | grep -v -i warn | tee "$OUT/bench_prefill.log" | tail -12
+  timeout -k 20 ${PREFILL_TIMEOUT:-300} python3 tools/bench/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
+    2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_prefill.log" | tail -12
 fi
 if has moeprefill; then  # issue 19: routed experts at prefill sizes against the dense GEMM rate, tile sweep
-  timeout ${MOEP_TIMEOUT:-200} python3 tools/bench/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
-    --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
+  timeout -k 20 ${MOEP_TIMEOUT:-200} python3 tools/bench/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
+    --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
 fi
 if has e2e; then  # issue 19: compiledllm bench end to end (4K-32K, outputs 512, the probed largest batch), SDAR-8B,
   # and prefill interleaved under a request rate; ideal / share: tools/bench/e2e_ideal.py on the JSON afterwards
   python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
   R=recipes/profile_llada2_mini.yaml
-  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len 4096,16000,32000 --output-len 512 \
-    --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep -v -i warn | tail -8
-  timeout ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --set model.config=sdar-8b --prompt-len 16000,32000 \
-    --output-len 256 --batch 1,8,max --out "$OUT/e2e_sdar.json" 2>&1 | grep -v -i warn | tail -8
-  timeout ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
+  timeout -k 20 ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len 4096,16000,32000 --output-len 512 \
+    --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep --line-buffered -v -i warn | tail -8
+  timeout -k 20 ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --set model.config=sdar-8b --prompt-len 16000,32000 \
+    --output-len 256 --batch 1,8,max --out "$OUT/e2e_sdar.json" 2>&1 | grep --line-buffered -v -i warn | tail -8
+  timeout -k 20 ${INTERLEAVE_TIMEOUT:-150} python3 tools/bench/bench_interleave.py --out "$OUT/interleave.json" 2>&1 | tail -6
 fi
 if has attnbase; then  # issue 19: the CuPy / Triton kernels against static Flex (and FlashInfer where carried in .fi/)
   if [ -f .fi/fi_site.tar.xz ]; then
     tar -xJf .fi/fi_site.tar.xz -C /tmp/site && export FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=16 TVM_FFI_DISABLE_TORCH_C_DLPACK=1
   fi
-  timeout ${ATTNB_TIMEOUT:-300} python3 tools/bench/bench_attention.py --heads ${ATTNB_HEADS:-16/4,32/8} --batches 8,32 \
+  timeout -k 20 ${ATTNB_TIMEOUT:-300} python3 tools/bench/bench_attention.py --heads ${ATTNB_HEADS:-16/4,32/8} --batches 8,32 \
     --prefixes 4096,32768 --qlens 32 --flashinfer-backends ${ATTNB_FI:-fa2} --budget-s ${ATTNB_BUDGET:-240} \
-    --out "$OUT/bench_attention_baselines_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_attention_baselines.log" | tail -30
+    --out "$OUT/bench_attention_baselines_h200.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_attention_baselines.log" | tail -30
 fi
 if has compiled; then
-  timeout ${COMPILED_TIMEOUT:-450} python3 tools/bench/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
+  timeout -k 20 ${COMPILED_TIMEOUT:-450} python3 tools/bench/bench_decode.py --plan "${COMPILED_PLAN:-llada2.0-mini:4096,32768}" \
     --batches "${COMPILED_BATCHES:-32,max}" --modes "${COMPILED_MODES:-graphs,compiled+graphs}" \
     --out "$OUT/bench_decode_compiled_h200.json" \
-    2>&1 | grep -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
+    2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
 fi
 if has kernels; then
-  timeout ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
-    --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep -v -i warn | tail -60
+  timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
+    --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep --line-buffered -v -i warn | tail -60
 fi
 if has profile; then  # compiledllm profile on CUDA: 8 prompts of 4096 random ids (eager, phases attributed per kernel)
   python3 -c "import json, random; r = random.Random(0)
 print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(4096)]}) for _ in range(8)))" > /tmp/p4k.jsonl
-  timeout ${PROFILE_TIMEOUT:-150} python3 -c "from compiledllm.cli import main; main()" profile \
+  timeout -k 20 ${PROFILE_TIMEOUT:-150} python3 -c "from compiledllm.cli import main; main()" profile \
     recipes/profile_llada2_mini.yaml --set prompts_file=/tmp/p4k.jsonl --set "prompts=[]" --out "$OUT/profile" 2>&1 \
-    | grep -v -i warn | tail -16
+    | grep --line-buffered -v -i warn | tail -16
 fi
 if has selection; then  # build, the CPU selection tests (AMX ones fail, not skip, on AMX hardware that misbehaves), bench
   if python3 setup.py build_ext --inplace -q >"$OUT/selection_build.log" 2>&1; then
-    timeout ${SEL_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/kv/test_cpu_select.py -p no:cacheprovider 2>&1 \
+    timeout -k 20 ${SEL_TEST_TIMEOUT:-180} python3 -m pytest -q -rs tests/kv/test_cpu_select.py -p no:cacheprovider 2>&1 \
       | tee "$OUT/cpu_select_tests.log" | tail -12
-    timeout ${SEL_TIMEOUT:-200} python3 tools/bench/bench_selection.py --out "$OUT/bench_selection_h200.json" ${SEL_ARGS:-} \
+    timeout -k 20 ${SEL_TIMEOUT:-200} python3 tools/bench/bench_selection.py --out "$OUT/bench_selection_h200.json" ${SEL_ARGS:-} \
       2>&1 | tee "$OUT/bench_selection.log" | tail -30
   else
     echo "selection: build_ext failed, see selection_build.log"; tail -20 "$OUT/selection_build.log"
   fi
 fi
 if has session; then  # issue 26: captured sessions, the demonstrations' captured steps, the engine's GPU tests
-  timeout ${SESSION_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu ${SESSION_TESTS:-tests/engine/test_session.py \
+  timeout -k 20 ${SESSION_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu ${SESSION_TESTS:-tests/engine/test_session.py \
     tests/policies/test_sparse_pool.py tests/policies/test_prefix_cache.py tests/models/test_block_routing.py \
     tests/models/test_route_groups.py tests/engine/test_gpu_engine.py} -p no:cacheprovider 2>&1 \
     | tee "$OUT/session_gpu_tests.log" | tail -8
 fi
 if has serve; then  # issue 30: the engine in-process (compiledllm bench) and behind HTTP (serve + load_test), same shape
   R=${SERVE_RECIPE:-recipes/serve_llada2_mini.yaml}
-  timeout ${SERVE_BENCH_TIMEOUT:-180} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len ${SERVE_PROMPT:-512} --output-len 128 \
-    --batch 32 --requests ${SERVE_REQUESTS:-512} --out "$OUT/serve_bench_baseline.json" 2>&1 | grep -v -i warn | tail -6
+  timeout -k 20 ${SERVE_BENCH_TIMEOUT:-180} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len ${SERVE_PROMPT:-512} --output-len 128 \
+    --batch 32 --requests ${SERVE_REQUESTS:-512} --out "$OUT/serve_bench_baseline.json" 2>&1 | grep --line-buffered -v -i warn | tail -6
   python3 -m compiledllm serve $R --set compile=$COMPILE --port 0 >/tmp/serve.out 2>/tmp/serve.err &
   SPID=$!
   for i in $(seq 1 600); do grep -q "serving" /tmp/serve.out && break; kill -0 $SPID 2>/dev/null || break; sleep 0.5; done
   URL=$(grep -o "http://[0-9.:]*" /tmp/serve.out | head -1)
   echo "server $SPID at $URL"; tail -3 /tmp/serve.err
   L="python3 tools/bench/load_test.py --url $URL --pid $SPID --ids --no-progress"
-  timeout ${LOAD_TIMEOUT:-200} $L --clients 64 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+  timeout -k 20 ${LOAD_TIMEOUT:-200} $L --clients 64 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
     --prompt-tokens ${SERVE_PROMPT:-512} --out "$OUT/load_gpu_64.json" 2>&1 | tail -14
-  timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+  timeout -k 20 ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
     --prompt-tokens ${SERVE_PROMPT:-512} --out "$OUT/load_gpu.json" 2>&1 | tail -14
-  timeout ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
+  timeout -k 20 ${LOAD_TIMEOUT:-200} $L --clients 32 --requests ${SERVE_REQUESTS:-512} --max-tokens 128 \
     --prompt-tokens ${SERVE_PROMPT:-512} --stream --out "$OUT/load_gpu_stream.json" 2>&1 | tail -14
-  timeout ${SOAK_TIMEOUT:-330} $L --soak --time-limit ${SOAK_LIMIT:-280} --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
+  timeout -k 20 ${SOAK_TIMEOUT:-330} $L --soak --time-limit ${SOAK_LIMIT:-280} --clients 64 --requests ${SOAK_REQUESTS:-10000} --max-tokens 8 \
     --prompt-tokens 32 --out "$OUT/load_gpu_soak.json" 2>&1 | tail -14
   kill -TERM $SPID; wait $SPID; echo "server exit code $?"; tail -3 /tmp/serve.out
 fi
 if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alone, then end to end (standard vs block 48)
-  timeout ${BLOCKROUTE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_block_routing.py \
+  timeout -k 20 ${BLOCKROUTE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_block_routing.py \
     tests/models/test_triton_kernels.py -p no:cacheprovider \
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
-  timeout ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
-    ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
+  timeout -k 20 ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
+    ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
   for r in ${BLOCKROUTE_RECIPES-bench_block48_standard bench_block48}; do
-    timeout ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
-      --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep -v -i warn \
+    timeout -k 20 ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
+      --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep --line-buffered -v -i warn \
       | tee "$OUT/e2e_$r.log" | tail -8
   done
 fi
@@ -210,7 +212,7 @@ if has startup; then  # `compile: auto` cold, warm, and off: LLaDA2.0-mini shape
   for run in cold warm off; do
     extra=""; [ "$run" = off ] && extra="--set compile=false"
     t0=$(date +%s%N)
-    (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout ${STARTUP_TIMEOUT:-170} python3 -m compiledllm bench \
+    (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout -k 20 ${STARTUP_TIMEOUT:-170} python3 -m compiledllm bench \
       recipes/serve_llada2_mini.yaml --prompt-len 512 --output-len 128 --batch 8 $extra --out "$OUT/startup_$run.json" \
       > "$OUT/startup_$run.log" 2>&1)
     echo "startup $run: rc $?, whole process $(( ($(date +%s%N) - t0) / 1000000 )) ms"  # (no bc on the device)
@@ -221,9 +223,9 @@ if has startup; then  # `compile: auto` cold, warm, and off: LLaDA2.0-mini shape
 fi
 if has commit; then  # threshold's fused commit against the separate one, same call: decode at batch 1, 8, 32
   for c in separate fused; do
-    timeout ${COMMIT_TIMEOUT:-170} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
+    timeout -k 20 ${COMMIT_TIMEOUT:-170} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
       --set compile=$COMPILE --set policy.commit=$c --set policy.steps=8 --prompt-len 4096 --output-len 256 --batch ${COMMIT_BATCHES:-1,8,32} \
-      --out "$OUT/commit_$c.json" 2>&1 | grep -v -i warn | tee "$OUT/commit_$c.log" | tail -8
+      --out "$OUT/commit_$c.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/commit_$c.log" | tail -8
   done
 fi
 herald_sets() {  # the --set overrides (in $sets) and environment (in $envs) of the herald stage's policy name $1
@@ -247,10 +249,10 @@ herald_sets() {  # the --set overrides (in $sets) and environment (in $envs) of 
 if has herald; then  # mage / herald (device pool, host pool): exactness on the GPU, the sparse step's speed, then quality
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1 \
     || echo "herald: build_ext failed (the host pool scans in torch), see ext_build.log"
-  [ "${HERALD_TESTS:-1}" = 1 ] && timeout ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py \
+  [ "${HERALD_TESTS:-1}" = 1 ] && timeout -k 20 ${HERALD_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_mage.py \
     tests/policies/test_herald.py tests/engine/test_hooks.py -p no:cacheprovider 2>&1 | tee "$OUT/herald_tests.log" | tail -6
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do  # the same call's ceilings: HBM, PCIe, DRAM, ext/
-    [ "${HERALD_CEILINGS:-1}" = 1 ] && timeout 120 python3 tools/bench/herald_ceilings.py --prefix $ctx \
+    [ "${HERALD_CEILINGS:-1}" = 1 ] && timeout -k 20 120 python3 tools/bench/herald_ceilings.py --prefix $ctx \
       --out "$OUT/herald_ceilings_$ctx.json" 2>&1 | tail -7
   done
   # the host pool's ablation: herald_hostmage (the B [MASK] queries' CPU attention at the boundary: MAGE-Offload's
@@ -264,9 +266,9 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     herald_sets $p
     var=HERALD_BATCHES_$p; batches=${!var:-${HERALD_BATCHES:-8,32}}  # e.g. HERALD_BATCHES_herald_keys: its own
-    env $envs timeout ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
+    env $envs timeout -k 20 ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
       --set compile=$COMPILE $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
-      --out "$OUT/herald_bench_$p.json" 2>&1 | grep -v -i warn | tail -8
+      --out "$OUT/herald_bench_$p.json" 2>&1 | grep --line-buffered -v -i warn | tail -8
   done
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
@@ -281,10 +283,10 @@ print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(${HERA
                 for _ in range(${HERALDPROF_BATCH:-16})))" > /tmp/pherald.jsonl
   for p in ${HERALDPROF_POLICIES:-threshold herald_host8w}; do
     herald_sets $p
-    env $envs timeout ${HERALDPROF_TIMEOUT:-240} python3 -c "from compiledllm.cli import main; main()" profile \
+    env $envs timeout -k 20 ${HERALDPROF_TIMEOUT:-240} python3 -c "from compiledllm.cli import main; main()" profile \
       recipes/profile_llada2_mini.yaml $sets --set prompts_file=/tmp/pherald.jsonl --set "prompts=[]" \
       --set batch_size=${HERALDPROF_BATCH:-16} --set generation.max_new_tokens=${HERALDPROF_OUT:-128} \
-      --out "$OUT/heraldprof_$p" 2>&1 | grep -v -i warn > "$OUT/heraldprof_$p.log"
+      --out "$OUT/heraldprof_$p" 2>&1 | grep --line-buffered -v -i warn > "$OUT/heraldprof_$p.log"
     [ -f "$OUT/heraldprof_$p/profile.json" ] || { echo "$p: $(tail -n 1 "$OUT/heraldprof_$p.log")"; continue; }
     python3 -c "import json; d = json.load(open('$OUT/heraldprof_$p/profile.json'))
 print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(
@@ -294,13 +296,13 @@ print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(
 fi
 if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped weights, a fresh schedule of a fixed
   # step count (a plan from the first steps' time would stop at peak lr if another stage slows the GPU later)
-  timeout ${TRAIN_TIMEOUT:-590} python3 tools/train/train_tiny.py --kind tiny-llada --init-from compiledllm/assets/tiny-llada \
+  timeout -k 20 ${TRAIN_TIMEOUT:-590} python3 tools/train/train_tiny.py --kind tiny-llada --init-from compiledllm/assets/tiny-llada \
     ${TRAIN_ARGS:---lr 2e-3 --warmup 50 --steps 6000 --decay-frac 0.5 --deadline 560 --eval quick} --out /tmp/runs/ll \
     --package "$OUT/pkg" > "$OUT/train_tiny_llada.log" 2>&1
   tail -n 4 "$OUT/train_tiny_llada.log"
 fi
 if has aoti; then  # issue 31 item 6: the CUDA AOTInductor load crash, one nn.Linear, each package form x loading variant
-  timeout ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py --out "$OUT/aoti_probe.json" 2>&1 | grep -v -i warn \
+  timeout -k 20 ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py --out "$OUT/aoti_probe.json" 2>&1 | grep --line-buffered -v -i warn \
     | tee "$OUT/aoti_probe.log" | tail -5
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
@@ -311,7 +313,7 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
   gpulist() {  # $1: log tag, $2: marker expression, then the paths
     local tag=$1 marks=$2; shift 2
-    timeout ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m "$marks" "$@" --durations=12 -p no:cacheprovider \
+    timeout -k 20 ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m "$marks" "$@" --durations=12 -p no:cacheprovider \
       > "$OUT/gpu_list_$tag.log" 2>&1
   }
   t0=$(date +%s)
@@ -326,11 +328,11 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   echo "gpu list: $(( $(date +%s) - t0 )) s wall"
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
-  timeout ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
+  timeout -k 20 ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
     tests/policies/test_block_verify.py tests/policies/test_prefix_cache.py "tests/attention/test_packed_attention.py::test_triton_logit_score_in_the_attention_pass" -p no:cacheprovider 2>&1 \
     | tee "$OUT/flash_tests.log" | tail -6
-  timeout ${QKV_TIMEOUT:-150} python3 tools/bench/bench_qkv_cache.py --out "$OUT/bench_qkv_cache_h200.json" 2>&1 \
-    | grep -v -i warn | tail -8
+  timeout -k 20 ${QKV_TIMEOUT:-150} python3 tools/bench/bench_qkv_cache.py --out "$OUT/bench_qkv_cache_h200.json" 2>&1 \
+    | grep --line-buffered -v -i warn | tail -8
 fi
 if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights), Fast-dLLM's fixed-step mode, every
   # policy in its own process one after the other: no cache (Fast-dLLM's generate), its prefix and dual caches,
@@ -350,9 +352,9 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
       flashs) sets="--set policy.fused_cache=false" ;;
       flashl) sets="--set policy.track_score=logits" ;;
     esac
-    timeout ${FLASH_BENCH_TIMEOUT:-300} python3 -m compiledllm bench recipes/bench_llada8b.yaml --set compile=$COMPILE $sets \
+    timeout -k 20 ${FLASH_BENCH_TIMEOUT:-300} python3 -m compiledllm bench recipes/bench_llada8b.yaml --set compile=$COMPILE $sets \
       --prompt-len ${FLASH_PROMPT:-512} --output-len ${FLASH_OUTPUTS:-256,512} --batch ${FLASH_BATCHES:-1,8,32} \
-      --out "$OUT/flash_bench_$p.json" 2>&1 | grep -v -i warn | tail -4
+      --out "$OUT/flash_bench_$p.json" 2>&1 | grep --line-buffered -v -i warn | tail -4
   done
   for n in $(echo ${FLASH_OUTPUTS:-256,512} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/flash_bench_*.json --output-len $n --out "$OUT/flash_bench_$n.png" 2>&1 | tail -1
@@ -360,17 +362,17 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
 fi
 if has flashyard; then  # issue 28 item 6's "yardstick model end to end": recipes/eval_flash.yaml on CUDA, every policy
   # (quality, tokens per forward and tokens/s on the real tasks, the trained tiny-llada; a 9M model is launch-bound)
-  timeout ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm eval recipes/eval_flash.yaml --set model.device=cuda \
-    --set limit=${FLASHYARD_LIMIT:-32} -o "$OUT/eval_flash_cuda.json" 2>&1 | grep -v -i warn | tee "$OUT/eval_flash_cuda.log" \
+  timeout -k 20 ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm eval recipes/eval_flash.yaml --set model.device=cuda \
+    --set limit=${FLASHYARD_LIMIT:-32} -o "$OUT/eval_flash_cuda.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/eval_flash_cuda.log" \
     | tail -14
   python3 tools/plots/plot_quality_speed.py "$OUT/eval_flash_cuda.json" --out "$OUT/quality_speed_flash_cuda.png" 2>&1 \
     | tail -1
 fi
 if has heraldq; then  # the selections' quality on the yardstick's long retrieval tasks, on the GPU (bf16)
   for ctx in ${HERALD_QUALITY:-4k 2k}; do  # (the 8K tasks' prompts exceed the yardstick's 8,192-token context)
-    timeout ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
+    timeout -k 20 ${RECALL_TIMEOUT:-200} python3 tools/bench/selection_recall.py --device cuda --limit 32 --new 128 --batch 16 \
       --task compiledllm/assets/tasks/retrieval_$ctx.jsonl --out "$OUT/selection_recall_$ctx.json" 2>&1 | tail -8
-    timeout ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda --set model.dtype=bfloat16 \
+    timeout -k 20 ${HERALD_EVAL_TIMEOUT:-300} python3 -m compiledllm eval recipes/eval_herald.yaml --set model.device=cuda --set model.dtype=bfloat16 \
       --set "tasks=[../compiledllm/assets/tasks/retrieval_$ctx.jsonl]" --set output=$OUT/eval_herald_$ctx.json 2>&1 | tail -16
   done
 fi
