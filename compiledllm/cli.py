@@ -716,6 +716,23 @@ def stall_table(report: dict) -> Table | None:
     return table
 
 
+def phase_table(report: dict) -> Table | None:
+    """Per point run with `phase_times: true`: each decode phase's runs, device ms a run and share of the decode
+    time (None: no point timed its phases)."""
+    rows = [r for r in report["points"] if "error" not in r and r.get("phases")]
+    if not rows:
+        return None
+    table = compact_table("decode phases on the device (phase_times: true)")
+    for col in ("prompt", "out", "batch", "phase", "runs", "uncaptured", "ms / run", "% of decode"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        for name, p in r["phases"].items():
+            table.add_row(str(r["prompt_len"]), str(r["output_len"]), str(r["batch"]), name, str(p["runs"]),
+                          str(p["uncaptured"]), f"{1e3 * p['seconds'] / max(p['runs'], 1):.2f}",
+                          f"{100 * p['seconds'] / r['decode_s']:.0f}" if r["decode_s"] else "-")
+    return table
+
+
 def compile_lines(report: dict) -> list[str]:
     """Per point of a compiled run: its start-up and what Inductor's cache held for it (none when not compiled)."""
     from compiledllm.compile_cache import CacheReport, describe
@@ -827,9 +844,9 @@ def bench(
                           f"{r['error']}", highlight=False, soft_wrap=True)
     for line in compile_lines(report):
         console.print(line, highlight=False, soft_wrap=True, markup=False)
-    stalls = stall_table(report)
-    if stalls is not None:
-        console.print(stalls)
+    for table in (stall_table(report), phase_table(report)):
+        if table is not None:
+            console.print(table)
     console.print(Text(BENCH_LEGEND + (MOE_LEGEND if has_moe(report) else ""), style="dim"))
     if stopped:
         n = len(report["points"])

@@ -24,6 +24,7 @@ class EngineConfig:
     prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
+    phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, (dict, PolicyConfig)):
@@ -37,7 +38,7 @@ class EngineConfig:
         _positive_int("prefill_tokens", self.prefill_tokens)
         if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "auto")):
             raise UserError(f"compile: true or false, or auto (compiled on CUDA only), got {self.compile!r}")
-        for name in ("cuda_graphs", "ignore_eos"):
+        for name in ("cuda_graphs", "ignore_eos", "phase_times"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:
@@ -52,4 +53,5 @@ class EngineConfig:
         return cls(recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
-                   prefill_tokens=recipe.prefill.tokens, ignore_eos=recipe.generation.ignore_eos)
+                   prefill_tokens=recipe.prefill.tokens, ignore_eos=recipe.generation.ignore_eos,
+                   phase_times=recipe.phase_times)

@@ -32,6 +32,7 @@ class RunStats:
     stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
     hooks_s: float = 0.0     # host work around the steps: the policy's hooks, collecting results (part of decode_s)
     policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
+    phases: dict = field(default_factory=dict)  # per decode phase: runs, uncaptured runs, device seconds (phase_times)
 
 
 @dataclass
@@ -60,8 +61,9 @@ class Counters:
         self.stall_s += wait
         self.stall_max_s = max(self.stall_max_s, wait)
 
-    def stats(self, wall_s: float, startup_s: float, policy: dict | None = None) -> RunStats:
-        return RunStats(wall_s=wall_s, startup_s=startup_s, policy=policy or {},
+    def stats(self, wall_s: float, startup_s: float, policy: dict | None = None, phases: dict | None = None
+              ) -> RunStats:
+        return RunStats(wall_s=wall_s, startup_s=startup_s, policy=policy or {}, phases=phases or {},
                         **{f.name: getattr(self, f.name) for f in fields(self)})
 
 

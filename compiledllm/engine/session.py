@@ -23,6 +23,7 @@ import torch
 
 from compiledllm.engine.hooks import HostContext, StepReport, StepView
 from compiledllm.engine.memory import activation_tier, check_fits
+from compiledllm.engine.phase_times import PhaseTimer
 from compiledllm.engine.prefill import Prefiller, Progress, warms_prefill
 from compiledllm.engine.request import (BlockEvent, Event, FinishEvent, FinishReason, GenerationResult, RequestParams,
                                         working_length)
@@ -90,6 +91,7 @@ class EngineSession:
         self._begun: list[int] = []                    # slots that begin a block with the next step
         self._admitted = 0
         self._counts = Counters()
+        self.timer = PhaseTimer(self.model.device) if cfg.phase_times else None
         self.t0 = time.perf_counter()
 
     def _allocate(self) -> tuple[SlotState, object | None]:
@@ -205,8 +207,10 @@ class EngineSession:
         t = time.perf_counter()
         schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
                           {s: owner[s].work_len for s in decoding}, self.host.state)
-        self.stepper.run(1 + max(decoding), schedule, st.selected)
+        self.stepper.run(1 + max(decoding), schedule, st.selected, self.timer)
         report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
+        if self.timer is not None:
+            self.timer.collect()
         st.retired.zero_()
         self._counts.decode_s += time.perf_counter() - t
         self._counts.decode_steps += 1
@@ -391,7 +395,7 @@ class EngineSession:
 
     def stats(self) -> RunStats:
         policy = width_report(self.host.state) | self.policy.host_stats(self.host)  # narrowed phases per width
-        return self._counts.stats(self.now(), self.startup_s, policy)
+        return self._counts.stats(self.now(), self.startup_s, policy, self.timer.report() if self.timer else {})
 
     def close(self) -> None:
         """Stop the host worker (a session's buffers go with the object)."""

@@ -20,6 +20,7 @@ from compiledllm.attention.spec import Kernels
 from compiledllm.compile_cache import CacheReport, counts, describe, use_cache
 from compiledllm.engine.hooks import PhaseRun, Schedule
 from compiledllm.engine.compile import INDUCTOR_OPTIONS, compile_room, compiled_regions
+from compiledllm.engine.phase_times import PhaseTimer
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.step import run_phase
 from compiledllm.kv.store import KVStore
@@ -115,9 +116,11 @@ class Stepper:
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, rows: int, phases: Schedule | None = None, selected: torch.Tensor | None = None) -> None:
+    def run(self, rows: int, phases: Schedule | None = None, selected: torch.Tensor | None = None,
+            timer: PhaseTimer | None = None) -> None:
         """One step over (at least) the first `rows` slots: the given phases (default all) in order. A PhaseRun runs
-        on its rows only, on the smallest bucket that holds them; `selected` (st.selected) takes its row mask."""
+        on its rows only, on the smallest bucket that holds them; `selected` (st.selected) takes its row mask;
+        `timer` times each phase run."""
         for ph in phases if phases is not None else self.phases:
             if isinstance(ph, PhaseRun):
                 if not ph.rows:
@@ -129,7 +132,8 @@ class Stepper:
             else:
                 b = self.bucket_for(rows)
             graph = self.graphs.get((ph, b))
-            if graph is not None:
-                graph.replay()
-            else:
-                self._call(ph, b)
+            with timer.phase(ph, graph is not None) if timer is not None else contextlib.nullcontext():
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._call(ph, b)

@@ -30,7 +30,7 @@ POINT_KEYS = {"prompt_len", "output_len", "batch_asked", "batch", "requests", "p
               "decode_steps", "decode_s", "decode_tokens_per_s", "decode_step_ms", "stalled_steps", "stall_max_ms",
               "stall_mean_ms", "output_tokens_per_s", "first_block_p50_s",
               "latency_p50_s", "latency_p90_s", "latency_p99_s", "peak_memory_bytes", "touched_experts",
-              "touched_rows", "experts", "touched_uniform", "hooks_s", "policy_stats"}
+              "touched_rows", "experts", "touched_uniform", "hooks_s", "policy_stats", "phases"}
 
 
 def write_recipe(tmp_path: Path, **sections) -> Path:
@@ -80,6 +80,25 @@ def test_bench_grid_end_to_end(tmp_path):
     assert all(0 <= p["stall_max_ms"] <= 1e3 * p["prefill_s"] for p in report["points"])
     rows = [ln.split() for ln in table if ln.split()[:1] in (["24"], ["40"]) and len(ln.split()) == 13]
     assert [r[:3] for r in rows] == [[str(p["prompt_len"]), str(p["output_len"]), str(p["batch"])] for p in points]
+
+
+def test_phase_times_account_for_every_decode_step(tmp_path):
+    """phase_times: true times each decode phase: one run a step for a one-phase policy (every run uncaptured on the
+    CPU), its seconds inside the decode time, and the table under the bench's; off (the default) records none."""
+    res = run_cli(write_recipe(tmp_path, phase_times=True), "--prompt-len", "24", "--output-len", "16", "--batch",
+                  "2", "--requests", "3", "--out", tmp_path / "p.json")
+    assert res.exit_code == 0, res.output
+    (p,) = json.loads((tmp_path / "p.json").read_text())["points"]
+    assert set(p["phases"]) == {"decode"}, p["phases"]
+    decode = p["phases"]["decode"]
+    assert decode["runs"] == decode["uncaptured"] == p["decode_steps"] > 0
+    assert 0 < decode["seconds"] <= p["decode_s"]
+    assert "decode phases on the device" in res.output
+    res = run_cli(write_recipe(tmp_path), "--prompt-len", "24", "--output-len", "8", "--batch", "1", "--out",
+                  tmp_path / "q.json")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "q.json").read_text())["points"][0]["phases"] == {}
+    assert "decode phases" not in res.output
 
 
 def test_the_moe_column_only_for_a_model_with_routed_experts(tmp_path):
