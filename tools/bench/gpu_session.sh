@@ -262,13 +262,14 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # (herald_keys with draft_wait DRAFT_WAIT: rows out of step draft in one forward), herald_fetch (MAGE-Offload's second
   # form: each block's prefix fetched from the host pool for MAGE's selection), herald_host8 (herald_host with 8 scratch
   # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE;
-  # herald_host8w: prefill forwards of 32,768 tokens, so the decode steps between admissions are half as many)
+  # herald_host8w: prefill forwards of 32,768 tokens, so the decode steps between admissions are half as many);
+  # phase_times (HERALD_PHASE_TIMES, default true): each decode phase's device time, in the report and a table
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     herald_sets $p
     var=HERALD_BATCHES_$p; batches=${!var:-${HERALD_BATCHES:-8,32}}  # e.g. HERALD_BATCHES_herald_keys: its own
     env $envs timeout -k 20 ${HERALD_BENCH_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
-      --set compile=$COMPILE $sets --prompt-len ${HERALD_CONTEXTS:-16000,32000} --output-len 256 --batch $batches \
-      --out "$OUT/herald_bench_$p.json" 2>&1 | grep --line-buffered -v -i warn | tail -8
+      --set compile=$COMPILE $sets --set phase_times=${HERALD_PHASE_TIMES:-true} --prompt-len ${HERALD_CONTEXTS:-16000,32000} \
+      --output-len 256 --batch $batches --out "$OUT/herald_bench_$p.json" 2>&1 | grep --line-buffered -v -i warn | tail -14
   done
   for ctx in $(echo ${HERALD_CONTEXTS:-16000,32000} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/herald_bench_*.json --prompt-len $ctx --out "$OUT/herald_bench_$ctx.png" 2>&1 | tail -1
