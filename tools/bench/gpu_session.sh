@@ -27,7 +27,7 @@
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
-# recipes/eval_flash.yaml on CUDA),
+# recipes/eval_flash.yaml on CUDA; FLASHYARD_SETS: more --set overrides, e.g. "--set compile=false"),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -363,7 +363,10 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
 fi
 if has flashyard; then  # issue 28 item 6's "yardstick model end to end": recipes/eval_flash.yaml on CUDA, every policy
   # (quality, tokens per forward and tokens/s on the real tasks, the trained tiny-llada; a 9M model is launch-bound)
-  timeout -k 20 ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm eval recipes/eval_flash.yaml --set model.device=cuda \
+  # (--log-level info: each start-up's compile / capture and its seconds in the log, as they happen; the thirteenth
+  # session's attempt printed nothing in 13 minutes)
+  timeout -k 20 ${FLASHYARD_TIMEOUT:-400} python3 -m compiledllm --log-level info eval recipes/eval_flash.yaml \
+    --set model.device=cuda ${FLASHYARD_SETS:-} \
     --set limit=${FLASHYARD_LIMIT:-32} -o "$OUT/eval_flash_cuda.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/eval_flash_cuda.log" \
     | tail -14
   python3 tools/plots/plot_quality_speed.py "$OUT/eval_flash_cuda.json" --out "$OUT/quality_speed_flash_cuda.png" 2>&1 \
