@@ -9,7 +9,7 @@ import torch
 from checkpoints import write_checkpoint
 
 import compiledllm
-from compiledllm.engine import Engine, generate
+from compiledllm.engine import Engine, EngineConfig, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA device (run on the GPU machine)")]
@@ -170,3 +170,21 @@ def test_the_recipe_default_compiles_the_decode_step_on_cuda(tmp_path):
     eager, off = execute(load_recipe(recipe, ["compile=false"]))
     assert off.compile is False and off.compile_cache is None
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+
+
+def test_phase_times_under_cuda_graphs(tmp_path):
+    """phase_times on CUDA: every decode step's phase replays a graph (none uncaptured), its event time is positive
+    and inside the decode time, and the tokens are those of the untimed run."""
+    model = gpu_model(tmp_path, "llada2", torch.bfloat16, seed=13)
+    ps = prompts(4, model.config.vocab_size, seed=3)
+    runs = {}
+    for timed in (False, True):
+        engine = Engine(model, EngineConfig(POLICIES[0], max_new_tokens=16, batch_size=4, max_seq_len=48,
+                                            phase_times=timed))
+        runs[timed] = ([r.output_ids for r in engine.generate(ps)], engine.stats)
+    assert runs[True][0] == runs[False][0]
+    stats = runs[True][1]
+    assert runs[False][1].phases == {} and set(stats.phases) == {"decode"}
+    decode = stats.phases["decode"]
+    assert decode["runs"] == stats.decode_steps > 0 and decode["uncaptured"] == 0
+    assert 0 < decode["seconds"] <= stats.decode_s
