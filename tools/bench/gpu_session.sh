@@ -201,10 +201,15 @@ if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alon
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
   timeout -k 20 ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
     ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
-  for r in ${BLOCKROUTE_RECIPES-bench_block48_standard bench_block48}; do
-    timeout -k 20 ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -m compiledllm bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
-      --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_$r.json" 2>&1 | grep --line-buffered -v -i warn \
-      | tee "$OUT/e2e_$r.log" | tail -8
+  # end to end under each experts' form: BLOCKROUTE_SCAN values of moe_triton.EXPERT_SCAN_TOKENS (0: the sorted form)
+  for scan in ${BLOCKROUTE_SCAN:-0 32}; do
+    for r in ${BLOCKROUTE_RECIPES-bench_block48_standard bench_block48}; do
+      timeout -k 20 ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -c "from compiledllm.models import moe_triton
+moe_triton.EXPERT_SCAN_TOKENS = $scan
+from compiledllm.cli import main; main()" bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
+        --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_${r}_scan$scan.json" 2>&1 \
+        | grep --line-buffered -v -i warn | tee "$OUT/e2e_${r}_scan$scan.log" | tail -8
+    done
   done
 fi
 if has startup; then  # `compile: auto` cold, warm, and off: LLaDA2.0-mini shape, batch 8 (buckets 1, 2, 4, 8)
