@@ -14,7 +14,8 @@
 # (compiledllm bench end to end of .base/ and of this tree, same call, alternating: E2E_ROUNDS), serve (issue 30:
 # compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py),
 # blockroute (LLaDA2.2 block routing: GPU tests of test_block_routing.py + test_triton_kernels.py, bench_block_routing.py
-# (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml),
+# (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml
+# under each experts' form: BLOCKROUTE_SCAN, default "0 32"),
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
