@@ -29,7 +29,8 @@
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
 # recipes/eval_flash.yaml on CUDA; FLASHYARD_SETS: more --set overrides, e.g. "--set compile=false"),
-# trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg)
+# trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg), trainblock (issue 29 item 5: the
+# block-routed tiny-llada2.1 yardstick, 640 steps with 8 of 16 experts a block; its weights in $OUT/pkg)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -366,6 +367,14 @@ if has flashspeed; then  # issue 28 item 6: the LLaDA-8B shape (random weights),
   for n in $(echo ${FLASH_OUTPUTS:-256,512} | tr , ' '); do
     python3 tools/bench/plot_bench.py "$OUT"/flash_bench_*.json --output-len $n --out "$OUT/flash_bench_$n.png" 2>&1 | tail -1
   done
+fi
+if has trainblock; then  # issue 29 item 5: the block-routed yardstick, tiny-llada2.1 fine-tuned with 8 of its 16 experts
+  # admitted per 32-token block (the 2026-12-03 H200 run's settings, a fixed step count), its weights in $OUT/pkg to ship
+  timeout -k 20 ${TRAINBLOCK_TIMEOUT:-590} python3 tools/train/train_tiny.py --kind tiny-llada2.1 \
+    --init-from compiledllm/assets/tiny-llada2.1 --expert-capacity 8 \
+    ${TRAINBLOCK_ARGS:---lr 5e-4 --warmup 50 --steps 640 --decay-frac 0.2 --deadline 560 --eval quick} --out /tmp/runs/b8 \
+    --package "$OUT/pkg" > "$OUT/train_block8.log" 2>&1
+  tail -n 4 "$OUT/train_block8.log"
 fi
 if has flashyard; then  # issue 28 item 6's "yardstick model end to end": recipes/eval_flash.yaml on CUDA, every policy
   # (quality, tokens per forward and tokens/s on the real tasks, the trained tiny-llada; a 9M model is launch-bound)
