@@ -6,8 +6,10 @@ The interpreter has no bf16 (numpy), so the expert and attention kernels run in 
 GPU tests."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -348,6 +350,9 @@ def qkv() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("TRITON_LAUNCH_LOG"):  # test_triton_interpreter.py compiles these launches for sm_90 after
+        from triton_launches import record  # tests/triton_launches.py (the test puts tests/ on PYTHONPATH)
+        record(Path(os.environ["TRITON_LAUNCH_LOG"]))
     {"routed": routed, "routing": routing, "confidence": confidence_kernel, "attention": attention, "mass": mass,
      "head": head, "qkv": qkv, "score": score}[sys.argv[1]]()
     print("ok")
