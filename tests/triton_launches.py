@@ -8,6 +8,7 @@ logic, this their compilation for the GPU (layouts, tl.dot shapes, shared memory
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -65,6 +66,26 @@ def record(log: Path) -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
+
+
+@functools.cache
+def sm90_unavailable() -> str | None:
+    """Why Triton cannot compile for sm_90 on this machine (e.g. no ptxas for its platform), or None."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def probe(x_ptr, N: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, N), tl.zeros((N,), tl.float32))
+
+    try:
+        triton.compile(ASTSource(fn=probe, signature={"x_ptr": "*fp32", "N": "constexpr"}, constexprs={"N": 16}),
+                       target=GPUTarget("cuda", 90, 32))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def compile_sm90(log: Path) -> dict[str, int]:

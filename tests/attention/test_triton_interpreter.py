@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from triton_launches import SM90_SHARED_BYTES, compile_sm90
+from triton_launches import SM90_SHARED_BYTES, compile_sm90, sm90_unavailable
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (the test extra installs it)")
@@ -28,6 +28,8 @@ def test_kernel_in_interpreter(check, tmp_path):
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": path, "TRITON_LAUNCH_LOG": str(log)}
     proc = subprocess.run([sys.executable, str(CHECKS), check], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    if (why := sm90_unavailable()) is not None:
+        pytest.skip(f"{check}: the interpreter check passed; its launches cannot be compiled for sm_90 here ({why})")
     shared = compile_sm90(log)
     assert shared, f"{check}: no launch recorded"
     assert all(0 <= b <= SM90_SHARED_BYTES for b in shared.values()), shared
