@@ -4,7 +4,7 @@
 # brings back at most 8 files). STAGES run one at a time in the order given (gpu_session.sh alone runs its own order).
 #   first call:  START=1 STAGES="herald blockroute" bash tools/bench/gpu_detached.sh
 #   later calls: bash tools/bench/gpu_detached.sh      (the machine goes back 30 s after a call: call again at once)
-# A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
+# A stage is stopped after STAGE_TIMEOUT seconds (default 1200), whatever its own timeouts. A stage "a+b" runs a and b at once (e.g. trainll+gpulist: a training run beside tests, nothing timed);
 # "gpulist" alone runs every test folder's GPU tests at once (logs gpu_list_<folder>.log); "gpulist@tests/engine,tests/kv"
 # is the GPU list of those folders as one pytest (log gpu_list_<n>.<m>.log: stage n, part m). A stage's
 # $OUT/pkg (checkpoint shards, each under the 16 MiB a returned file may have) comes back as files of their own.
@@ -21,7 +21,8 @@ if [ "${START:-0}" = 1 ]; then
   fi
   setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; m=0; for part in \${s//+/ }; do m=\$((m+1)); \
     paths=\${part#gpulist@}; [ \"\$paths\" != \"\$part\" ] && part=gpulist || paths=\${GPULIST_PATHS:-}; \
-    OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n.\$m bash tools/bench/gpu_session.sh & done; wait; \
+    OUT=$RES STAGES=\$part GPULIST_PATHS=\"\${paths//,/ }\" GPULIST_TAG=\$n.\$m timeout -k 20 \${STAGE_TIMEOUT:-1200} \
+    bash tools/bench/gpu_session.sh & done; wait; \
     done > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
 fi
 t0=$(date +%s)
