@@ -73,38 +73,39 @@ def sm90_unavailable() -> str | None:
     """Why Triton cannot compile for sm_90 on this machine (e.g. no ptxas for its platform), or None."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     @triton.jit
     def probe(x_ptr, N: tl.constexpr):
         tl.store(x_ptr + tl.arange(0, N), tl.zeros((N,), tl.float32))
 
     try:
-        triton.compile(ASTSource(fn=probe, signature={"x_ptr": "*fp32", "N": "constexpr"}, constexprs={"N": 16}),
-                       target=GPUTarget("cuda", 90, 32))
+        compile_kernel(probe, {"x_ptr": "*fp32"}, {"N": 16}, {})
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def compile_sm90(log: Path) -> dict[str, int]:
-    """Compiles each distinct launch in `log` for sm_90; returns {kernel: most shared memory bytes among its
-    launches}. Raises on the first launch that does not compile, naming it."""
+def compile_kernel(fn, signature: dict, constexprs: dict, options: dict):
+    """One Triton kernel compiled for sm_90: `signature` the runtime arguments' types, `constexprs` their values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    src = ASTSource(fn=fn, signature=signature | {k: "constexpr" for k in constexprs}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sm90(log: Path) -> dict[str, int]:
+    """Compiles each distinct launch in `log` for sm_90; returns {kernel: most shared memory bytes among its
+    launches}. Raises on the first launch that does not compile, naming it."""
     shared: dict[str, int] = {}
     for line in sorted(set(log.read_text().splitlines())):
         entry = json.loads(line)
         if entry.get("unrecorded") or None in entry["signature"].values():
             continue
         fn = getattr(importlib.import_module(entry["module"]), entry["name"])
-        src = ASTSource(fn=fn, signature=entry["signature"] | {k: "constexpr" for k in entry["constexprs"]},
-                        constexprs=entry["constexprs"])
         try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=entry["options"])
+            kernel = compile_kernel(fn, entry["signature"], entry["constexprs"], entry["options"])
         except Exception as e:
             raise AssertionError(f"{entry['name']} does not compile for sm_90 with {entry}: {e}") from e
         shared[entry["name"]] = max(shared.get(entry["name"], 0), kernel.metadata.shared)

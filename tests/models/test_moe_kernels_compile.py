@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="Triton is not installed (pip install '.[test]' brings it)")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+pytest.importorskip("triton", reason="Triton is not installed (pip install '.[test]' brings it)")
 
 from compiledllm.models import moe_triton  # noqa: E402
-from triton_launches import SM90_SHARED_BYTES, sm90_unavailable  # noqa: E402
+from triton_launches import SM90_SHARED_BYTES, compile_kernel, sm90_unavailable  # noqa: E402
 
 E, D, F, K = 256, 2048, 512, 8  # LLaDA2.0-mini
 TILES = {"BN": 128, "BK": 128}  # moe_triton.default_tiles at decode sizes
@@ -20,8 +18,7 @@ TILES = {"BN": 128, "BK": 128}  # moe_triton.default_tiles at decode sizes
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int = 4, stages: int = 3):
     if (why := sm90_unavailable()) is not None:
         pytest.skip(f"Triton cannot compile for sm_90 here: {why}")
-    src = ASTSource(fn=fn, signature=signature | {k: "constexpr" for k in constexprs}, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return compile_kernel(fn, signature, constexprs, {"num_warps": warps, "num_stages": stages})
 
 
 def kernels():
