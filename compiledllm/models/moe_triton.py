@@ -217,11 +217,14 @@ def _(x, w_gate_up, w_down, ids, weights):
 
 # Up to this many tokens the experts take the scan form: no sort, one program per (expert, N tile) reads every
 # token's ids and runs on the rows that chose its expert (a decode row of one 32-token block: 256 pairs whose sort
-# was three launches, ~17 us of a 0.11 ms block-routed layer on the H200). Above it, the sorted form (a scan
-# program's rows are all T tokens, most of them masked). 0: never. It passes the interpreter's checks on the CPU but
-# has not yet run on a GPU (written 2026-12-06, no device time left): 0 until `bench_block_routing.py --sweep 1,8`
-# (layers "sorted" / "scan") and the GPU test test_scan_form_equals_sorted_form have; then 32 if it is faster.
-EXPERT_SCAN_TOKENS = 0
+# is three launches). Above it, the sorted form (a scan program's rows are all T tokens, most of them masked).
+# 0: never. Measured on an H100 (2026-12-06, bench_block_routing.py --sweep, LLaDA2.0-mini layer at batch 1):
+# standard / block-48 layer 0.360 / 0.146 ms sorted, 0.355 / 0.142 ms scan, bitwise the same output
+# (test_scan_form_equals_sorted_form); decode end to end +1 %.
+EXPERT_SCAN_TOKENS = 32
+# A scan program holds every token's rows (BM = T rounded up to a power of two): at 256 tokens it asked 384 KB of
+# shared memory (an H100 SM has 227 KB); at 64, tests/models/test_moe_kernels_compile.py checks it fits.
+SCAN_MAX_TOKENS = 64
 
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
 # and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs.
@@ -254,12 +257,22 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small
     return order, offs, tile_end
 
 
+def scan_form(tokens: int, scan: bool | None = None) -> bool:
+    """Whether a call of `tokens` tokens takes the experts' scan form (`scan`: asked for; None: the default)."""
+    use = tokens <= min(EXPERT_SCAN_TOKENS, SCAN_MAX_TOKENS) if scan is None else scan
+    if use and tokens > SCAN_MAX_TOKENS:
+        raise ValueError(f"the experts' scan form takes at most SCAN_MAX_TOKENS = {SCAN_MAX_TOKENS} tokens, "
+                         f"got {tokens}")
+    return use
+
+
 def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None,
            scan: bool | None = None) -> torch.Tensor:
     """The op's body; `tiles` overrides the default (gate_up, down) tiles, `scan` the form (None: the scan form up
     to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps)."""
-    kern = _kernels()
     T, D = x.shape
+    scan = scan_form(T, scan)
+    kern = _kernels()
     E, F = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     pairs = T * top_k
@@ -268,7 +281,7 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
     # y in pair order [T * k, D] (not [k, T, D]): the down kernel stores at row `pair` as it is, and the
     # combine reads each token's k rows as one contiguous k * D span
     y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
-    if (T <= EXPERT_SCAN_TOKENS) if scan is None else scan:
+    if scan:
         bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
         kern.gate_up_scan_kernel[(E, F // t_up.block_n)](
             x, w_gate_up, act, ids, T, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_up.block_n,

@@ -1,7 +1,8 @@
 """The routed experts' Triton kernels compile for an H100 / H200 (sm_90) on a machine without a GPU, at
 LLaDA2.0-mini's expert shape with the decode tiles: both forms (sorted pairs, and the scan form of decode rows at 16
-and 32 row tiles), each within the SM's shared memory. (test_triton_interpreter.py compiles every launch of the
-interpreter checks the same way, but those are small shapes: the production tiles' shared memory is checked here.)"""
+and 32 row tiles and at its largest, SCAN_MAX_TOKENS), each within the SM's shared memory.
+(test_triton_interpreter.py compiles every launch of the interpreter checks the same way, but those are small
+shapes: the production tiles' shared memory is checked here.)"""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ def kernels():
     return moe_kernels
 
 
-@pytest.mark.parametrize("bm", [16, 32])
+@pytest.mark.parametrize("bm", [16, 32, moe_triton.SCAN_MAX_TOKENS])
 def test_scan_form_compiles_for_sm90(bm):
     k = kernels()
     common = {"D": D, "F": F, "TOPK": K, "TOPK_P2": K, "BM": bm, **TILES}

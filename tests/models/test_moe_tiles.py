@@ -71,3 +71,18 @@ def test_auto_backend_follows_the_threshold(monkeypatch):
         assert torch.equal(moe._routed(x, ids, w, "auto"), torch.full_like(x, 7.0)) and len(calls) == 1
         monkeypatch.setattr(moe_triton, "GROUPED_MM_FROM_PAIRS_PER_EXPERT", 20)
         assert torch.equal(moe._routed(x, ids, w, "auto"), torch_path) and len(calls) == 1
+
+
+
+def test_scan_form_only_where_its_rows_fit(monkeypatch):
+    """The experts' scan form holds every token's rows in one program: above SCAN_MAX_TOKENS it is refused when
+    asked for (it ran an H100 out of shared memory at 256 tokens), and the default never picks it there, whatever
+    EXPERT_SCAN_TOKENS says; up to EXPERT_SCAN_TOKENS it is the default."""
+    cap = moe_triton.SCAN_MAX_TOKENS
+    with pytest.raises(ValueError, match="SCAN_MAX_TOKENS"):
+        moe_triton.scan_form(cap + 1, scan=True)
+    assert moe_triton.scan_form(cap, scan=True) and not moe_triton.scan_form(1, scan=False)
+    monkeypatch.setattr(moe_triton, "EXPERT_SCAN_TOKENS", 1 << 20)
+    assert moe_triton.scan_form(cap) and not moe_triton.scan_form(cap + 1)
+    monkeypatch.setattr(moe_triton, "EXPERT_SCAN_TOKENS", 32)
+    assert moe_triton.scan_form(32) and not moe_triton.scan_form(33)

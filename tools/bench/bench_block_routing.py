@@ -133,11 +133,9 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
 
 
-# The router, sort and expert forms not yet chosen (top-k and admission by sort, block phase 1 per decode row, the
-# one-program sort, the experts' scan form for decode rows), against moe_triton's defaults; `--candidate-forms` runs
-# the whole benchmark under them.
-CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512,
-             "EXPERT_SCAN_TOKENS": 32}
+# The router and sort forms not yet chosen (top-k and admission by sort, block phase 1 per decode row, the
+# one-program sort), against moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
+CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512}
 
 
 @contextlib.contextmanager
@@ -159,8 +157,8 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
     warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
     whole layer of both routings under the defaults, the candidate forms, and the experts' sorted and scan forms
-    whatever the tokens (EXPERT_SCAN_TOKENS 0 / unbounded); the experts' (gate_up, down) tiles on
-    the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
+    (the scan form only where it applies: up to SCAN_MAX_TOKENS tokens, else None); the experts' (gate_up, down)
+    tiles on the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
     gate_up)."""
     c, D = moe.cfg, x.shape[-1]
     flat = x.view(-1, D)
@@ -182,9 +180,12 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     bms = (up0.block_m, down0.block_m)
     sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
         lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
-    layers = {}
+    layers = {"scan": None}
+    scan = {"EXPERT_SCAN_TOKENS": moe_triton.SCAN_MAX_TOKENS} if flat.shape[0] <= moe_triton.SCAN_MAX_TOKENS else None
     for name, settings in (("default", {}), ("candidate", CANDIDATE), ("sorted", {"EXPERT_SCAN_TOKENS": 0}),
-                           ("scan", {"EXPERT_SCAN_TOKENS": 1 << 20})):
+                           ("scan", scan)):
+        if settings is None:
+            continue
         with forms(**settings):
             layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
                             "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
@@ -224,9 +225,9 @@ def print_sweep(s: dict) -> None:
         f"topk {r['topk']} {r['ms'] * 1e3:.1f}us" for r in s["standard_router"]) + "; sort " + ", ".join(
         f"{k} {v * 1e3:.1f}us" for k, v in s["sort"].items()) + "; layer std/block, default forms " +
         "{standard_ms:.4f}/{block_ms:.4f} ms, candidate forms {c[standard_ms]:.4f}/{c[block_ms]:.4f} ms".format(
-            **s["layers"]["default"], c=s["layers"]["candidate"]) + ", experts sorted {0[standard_ms]:.4f}/"
-        "{0[block_ms]:.4f} ms, scan {1[standard_ms]:.4f}/{1[block_ms]:.4f} ms".format(
-            s["layers"]["sorted"], s["layers"]["scan"]) +
+            **s["layers"]["default"], c=s["layers"]["candidate"]) + ", experts " + ", ".join(
+            f"{form} " + ("{standard_ms:.4f}/{block_ms:.4f} ms".format(**t) if t else "- (too many tokens)")
+            for form, t in (("sorted", s["layers"]["sorted"]), ("scan", s["layers"]["scan"]))) +
         f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
         f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
         flush=True)
