@@ -45,6 +45,14 @@ def test_eval_cli_gives_the_same_numbers_twice(tmp_path):
             assert m["tokens_per_forward"] == pytest.approx(m["tokens"] / m["forwards"])
 
 
+def test_eval_compiles_only_when_asked():
+    """An eval's `compile: auto` does not compile (one session per policy and task file, each compiling its own
+    steps, took minutes to start on an H100 where the captured eager eval took 35 s); `true` does."""
+    from compiledllm.evaluate import eval_compile
+
+    assert eval_compile("auto") is False and eval_compile(False) is False and eval_compile(True) is True
+
+
 def test_task_files_shipped():
     for name, lo in (("code_short.jsonl", 0), ("code_long.jsonl", 1500)):
         lines = (TASKS / name).read_text().splitlines()
