@@ -73,7 +73,6 @@ def test_auto_backend_follows_the_threshold(monkeypatch):
         assert torch.equal(moe._routed(x, ids, w, "auto"), torch_path) and len(calls) == 1
 
 
-
 def test_scan_form_only_where_its_rows_fit(monkeypatch):
     """The experts' scan form holds every token's rows in one program: above SCAN_MAX_TOKENS it is refused when
     asked for (it ran an H100 out of shared memory at 256 tokens), and the default never picks it there, whatever
