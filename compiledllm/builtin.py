@@ -14,6 +14,8 @@ BUILTINS = {
     "tiny-llada2": {"path": ASSETS / "tiny-llada2"},  # trained on the Python stdlib by tools/train/train_tiny.py
     # issue 15's yardsticks, trained on the stdlib mixed with generated exact-answer tasks (tools/train/synth_tasks.py):
     "tiny-llada2.1": {"path": ASSETS / "tiny-llada2.1"},  # LLaDA2 MoE, block diffusion + T2T editing, 8K context
+    # issue 29's: tiny-llada2.1 fine-tuned with LLaDA2.2's block routing (8 of its 16 experts per 32-token block)
+    "tiny-llada2.1-block8": {"path": ASSETS / "tiny-llada2.1-block8"},
     "tiny-llada": {"path": ASSETS / "tiny-llada"},  # LLaDA (bidirectional MHA), masked diffusion, 2K context
     "tiny-llada2-random": {"preset": "tiny-random-llada2", "seed": 0, "routing": "random"},  # its weights as ever
 }

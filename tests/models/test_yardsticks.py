@@ -1,5 +1,6 @@
-"""The shipped yardstick checkpoints of issue 15 (compiledllm/assets/tiny-llada2.1, tiny-llada): built in by name,
-the architectures their cards claim, small enough to ship, decode deterministically and do their trained task."""
+"""The shipped yardstick checkpoints of issue 15 (compiledllm/assets/tiny-llada2.1, tiny-llada) and issue 29's
+block-routed one (tiny-llada2.1-block8): built in by name, the architectures their cards claim, small enough to ship,
+decode deterministically and do their trained task."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import compiledllm
 from compiledllm.builtin import ASSETS, BUILTINS
 from compiledllm.engine import generate
 
-NAMES = ("tiny-llada2.1", "tiny-llada")
+NAMES = ("tiny-llada2.1", "tiny-llada", "tiny-llada2.1-block8")
 POLICY = {"name": "threshold", "block_size": 32, "threshold": 0.9}
 # An evaluation item of compiledllm/assets/tasks/lists.jsonl (never trained on) that both models answer exactly.
 PROMPT, ANSWER = "reverse: [64, 71, 74, 30, 10, 58, 76] =", " [76, 58, 10, 30, 74, 71, 64]\n"
@@ -35,7 +36,7 @@ def test_shipped_files(name):
                      "tokenizer_config.json"]
     assert sum(p.stat().st_size for p in d.glob("*.safetensors")) <= 40_000_000  # issue 15: <= 40 MB in bf16
     card = (d / "README.md").read_text()
-    for words in ("Data and split", "Objective", "tokens seen", "NVIDIA H200", "Held-out metrics", "## Targets",
+    for words in ("Data and split", "Objective", "tokens seen", "NVIDIA H", "Held-out metrics", "## Targets",
                   "Shortfall"):
         assert words in card, words
 
@@ -47,6 +48,21 @@ def test_tiny_llada21_is_the_llada2_moe_layout():
     names = weight_names("tiny-llada2.1")
     assert all(f"model.layers.{i}.mlp.gate.expert_bias" in names for i in range(c["first_k_dense_replace"],
                                                                                  c["num_hidden_layers"]))
+
+
+def test_block_routed_yardstick_is_tiny_llada21_with_block_routing():
+    """tiny-llada2.1-block8 declares LLaDA2.2's block routing (8 of 16 experts per 32-token block) in config.json and
+    is otherwise tiny-llada2.1's architecture and tokenizer; the engine decodes it only with its routing block."""
+    from compiledllm.errors import UserError
+
+    c, base = config("tiny-llada2.1-block8"), config("tiny-llada2.1")
+    assert c.pop("expert_capacity") == 8 and c["block_size"] == 32 and c == base
+    assert (ASSETS / "tiny-llada2.1-block8" / "tokenizer.json").read_bytes() == \
+        (ASSETS / "tiny-llada2.1" / "tokenizer.json").read_bytes()
+    model = compiledllm.load_model("tiny-llada2.1-block8")
+    assert model.config.moe.expert_capacity == 8 and model.config.moe.route_block == 32
+    with pytest.raises(UserError, match="routing block"):
+        generate(model, [model.tokenizer.encode(PROMPT)], {**POLICY, "block_size": 16}, max_new_tokens=16)
 
 
 def test_tiny_llada_is_the_llada_layout():
