@@ -257,6 +257,24 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small
     return order, offs, tile_end
 
 
+# The scan form as one launch of persistent programs (moe_kernels.experts_one_launch_kernel: gate_up, down and
+# combine by ticket, down waiting on its expert's gate_up): no launch gaps or wave tails between the three kernels
+# (at a decode row of block routing's 48 experts, the gate_up kernel is ~1.5 waves of 128 x 2048 tiles), bitwise
+# the same output (gate_up's warps and stages for all three). ONE_LAUNCH_PROGRAMS_PER_SM programs per SM; its
+# counters are zeroed by one small fill per call. False until timed on a GPU (bench_block_routing.py --sweep: layer
+# "one_launch").
+SCAN_ONE_LAUNCH = False
+ONE_LAUNCH_PROGRAMS_PER_SM = 1
+
+
+def one_launch_programs(device: torch.device) -> int:
+    """Programs of the one-launch form: ONE_LAUNCH_PROGRAMS_PER_SM per SM; 2 on the CPU, where the interpreter
+    runs programs one after another (the first takes every ticket, the second finds none left)."""
+    if device.type != "cuda":
+        return 2
+    return ONE_LAUNCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def scan_form(tokens: int, scan: bool | None = None) -> bool:
     """Whether a call of `tokens` tokens takes the experts' scan form (`scan`: asked for; None: the default)."""
     use = tokens <= min(EXPERT_SCAN_TOKENS, SCAN_MAX_TOKENS) if scan is None else scan
@@ -267,9 +285,10 @@ def scan_form(tokens: int, scan: bool | None = None) -> bool:
 
 
 def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None,
-           scan: bool | None = None) -> torch.Tensor:
+           scan: bool | None = None, one_launch: bool | None = None) -> torch.Tensor:
     """The op's body; `tiles` overrides the default (gate_up, down) tiles, `scan` the form (None: the scan form up
-    to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps)."""
+    to EXPERT_SCAN_TOKENS tokens), `one_launch` the scan form's launches (None: SCAN_ONE_LAUNCH) (benchmark
+    sweeps)."""
     T, D = x.shape
     scan = scan_form(T, scan)
     kern = _kernels()
@@ -281,6 +300,18 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
     # y in pair order [T * k, D] (not [k, T, D]): the down kernel stores at row `pair` as it is, and the
     # combine reads each token's k rows as one contiguous k * D span
     y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
+    if scan and (SCAN_ONE_LAUNCH if one_launch is None else one_launch):
+        if T:
+            bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
+            sync = torch.zeros(2 + E, dtype=torch.int32, device=x.device)
+            kern.experts_one_launch_kernel[(one_launch_programs(x.device),)](
+                x, w_gate_up, w_down, act, y, out, ids, weights, sync, T, E=E, E_P2=1 << (E - 1).bit_length(),
+                D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN_UP=t_up.block_n, BK_UP=t_up.block_k,
+                BN_DOWN=t_down.block_n, BK_DOWN=t_down.block_k, BT=4, BD=bd, num_warps=t_up.warps,
+                num_stages=t_up.stages)
+        return out
     if scan:
         bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
         kern.gate_up_scan_kernel[(E, F // t_up.block_n)](
@@ -298,8 +329,6 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
         kern.down_kernel[(max_row_tiles(pairs, E, t_down.block_m), D // t_down.block_n)](
             act, w_down, y, order, offs, tile_end[1], weights, E=E, E_P2=e_p2, D=D, F=F, BM=t_down.block_m,
             BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
-    out = torch.empty_like(x)
-    bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
     kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd)
     return out
 

@@ -38,6 +38,9 @@ def main() -> None:
         out = moe_triton.launch(x, wgu, wd, skipped, sw, tiles)
         scan = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=T > moe_triton.EXPERT_SCAN_TOKENS)
         assert (out[dead] == 0).all() and (scan[dead] == 0).all()  # the other form skips the same pairs
+        if T <= moe_triton.SCAN_MAX_TOKENS:  # the scan form in one launch: the same tiles, the same sums
+            one = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=True, one_launch=True)
+            assert torch.equal(one, moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=True, one_launch=False))
         assert (scan.double() - out.double()).abs().max().item() <= 1e-3 * out.double().abs().max().item()
         # float64 over the held pairs, the activation rounded to fp16 as stored
         safe = skipped.clamp(max=E - 1)

@@ -157,7 +157,9 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
     warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
     whole layer of both routings under the defaults, the candidate forms, and the experts' sorted and scan forms
-    (the scan form only where it applies: up to SCAN_MAX_TOKENS tokens, else None); the experts' (gate_up, down)
+    (the scan form, in three launches and in one, alone and with the candidate routers, only where it applies: up
+    to SCAN_MAX_TOKENS tokens, else None); the one-launch experts by programs per SM and gate_up N tile; the
+    experts' (gate_up, down)
     tiles on the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
     gate_up)."""
     c, D = moe.cfg, x.shape[-1]
@@ -180,18 +182,28 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     bms = (up0.block_m, down0.block_m)
     sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
         lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
-    layers = {"scan": None}
-    scan = {"EXPERT_SCAN_TOKENS": moe_triton.SCAN_MAX_TOKENS} if flat.shape[0] <= moe_triton.SCAN_MAX_TOKENS else None
+    fits = flat.shape[0] <= moe_triton.SCAN_MAX_TOKENS
+    scan = {"EXPERT_SCAN_TOKENS": moe_triton.SCAN_MAX_TOKENS, "SCAN_ONE_LAUNCH": False} if fits else None
+    one = scan and scan | {"SCAN_ONE_LAUNCH": True}
+    layers = {"scan": None, "one_launch": None, "one_launch_candidate": None}
     for name, settings in (("default", {}), ("candidate", CANDIDATE), ("sorted", {"EXPERT_SCAN_TOKENS": 0}),
-                           ("scan", scan)):
+                           ("scan", scan), ("one_launch", one), ("one_launch_candidate", one and one | CANDIDATE)):
         if settings is None:
             continue
         with forms(**settings):
             layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
                             "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
 
-    def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile) -> float:
-        return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down)))
+    def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile, **form) -> float:
+        return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down), **form))
+
+    one_launch = []
+    for per_sm in (1, 2, 3, 4) if fits else ():
+        for bn in (64, 128):
+            up = dataclasses.replace(up0, block_n=moe_triton._block(c.expert_dim, bn))
+            with forms(ONE_LAUNCH_PROGRAMS_PER_SM=per_sm):
+                one_launch.append({"per_sm": per_sm, "gate_up_bn": up.block_n,
+                                   "ms": tiles_ms(up, down0, scan=True, one_launch=True)})
 
     spec = lambda bm, bn, bk, warps, st, n, k: moe_triton.MoETile(  # noqa: E731
         bm, moe_triton._block(n, bn), moe_triton._block(k, bk), warps, st)
@@ -210,7 +222,7 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
         moe_triton.default_tiles = default_tiles
     return {"router": router, "standard_router": std_router, "sort": sort, "layers": layers,
             "default_tiles": [dataclasses.asdict(up0), dataclasses.asdict(down0)],
-            "default_ms": tiles_ms(up0, down0), "gate_up": ups, "down": downs,
+            "default_ms": tiles_ms(up0, down0), "one_launch_experts": one_launch, "gate_up": ups, "down": downs,
             "best": {"gate_up": best_up, "down": best_down}, "forward_ms_best_tiles": forward_best}
 
 
@@ -227,7 +239,9 @@ def print_sweep(s: dict) -> None:
         "{standard_ms:.4f}/{block_ms:.4f} ms, candidate forms {c[standard_ms]:.4f}/{c[block_ms]:.4f} ms".format(
             **s["layers"]["default"], c=s["layers"]["candidate"]) + ", experts " + ", ".join(
             f"{form} " + ("{standard_ms:.4f}/{block_ms:.4f} ms".format(**t) if t else "- (too many tokens)")
-            for form, t in (("sorted", s["layers"]["sorted"]), ("scan", s["layers"]["scan"]))) +
+            for form, t in s["layers"].items() if form not in ("default", "candidate")) +
+        "; one-launch experts (per SM, gate_up BN) " + ", ".join(
+            f"{r['per_sm']}/{r['gate_up_bn']} {r['ms']:.4f}" for r in s["one_launch_experts"]) +
         f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
         f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
         flush=True)
@@ -327,7 +341,8 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity,
-           "forms": {k: getattr(moe_triton, k) for k in CANDIDATE},
+           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS", "SCAN_ONE_LAUNCH",
+                                                          "ONE_LAUNCH_PROGRAMS_PER_SM")},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
