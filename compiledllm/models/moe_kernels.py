@@ -16,10 +16,10 @@ def row_tile(tile_end_ptr, offs_ptr, E: tl.constexpr, E_P2: tl.constexpr, BM: tl
 
 
 @triton.jit
-def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, nt, D: tl.constexpr, F: tl.constexpr,
+def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, D: tl.constexpr, F: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[act_rows] = silu(x[tok] @ Wg[e]^T) * (x[tok] @ Wu[e]^T) on N tile nt, rows where live."""
-    n = nt * BN + tl.arange(0, BN)
+    """act[act_rows] = silu(x[tok] @ Wg[e]^T) * (x[tok] @ Wu[e]^T) on this program's N tile, rows where live."""
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     xa = x_ptr + tok.to(tl.int64)[:, None] * D + rk[None, :]
     wg = w_ptr + e.to(tl.int64) * (2 * F * D) + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg[e]^T
@@ -36,20 +36,16 @@ def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, nt, D: tl.conste
 
 
 @triton.jit
-def down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, act_rows, pair, live, e, nt, D: tl.constexpr, F: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, L2_ACT: tl.constexpr = False):
-    """y[pair] = w[pair] * (act[act_rows] @ Wd[e]^T) on N tile nt, rows where live; L2_ACT: act read past L1
-    (another program of this launch wrote it: the one-launch form)."""
-    n = nt * BN + tl.arange(0, BN)
+def down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, act_rows, pair, live, e, D: tl.constexpr, F: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[pair] = w[pair] * (act[act_rows] @ Wd[e]^T) on this program's N tile, rows where live."""
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     aa = act_ptr + act_rows.to(tl.int64)[:, None] * F + rk[None, :]
     wd = w_ptr + e.to(tl.int64) * (D * F) + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd[e]^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, F, BK):
-        if L2_ACT:
-            a = tl.load(aa + k0, mask=live[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            a = tl.load(aa + k0, mask=live[:, None], other=0.0)
+        a = tl.load(aa + k0, mask=live[:, None], other=0.0)
         acc = tl.dot(a, tl.load(wd + k0), acc)
     acc = acc * tl.load(rw_ptr + pair, mask=live, other=0.0)[:, None]
     # y is [T * k, D] in pair order (token-major): combine_kernel reads a token's k rows as one span
@@ -66,7 +62,7 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: 
     if e >= E:
         return
     tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
-    gate_up_tile(x_ptr, w_ptr, act_ptr, tok, rows, live, e, tl.program_id(1), D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, w_ptr, act_ptr, tok, rows, live, e, D, F, BM, BN, BK)
 
 
 @triton.jit
@@ -77,107 +73,41 @@ def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr
     if e >= E:
         return
     pair = tl.load(order_ptr + rows, mask=live, other=0)
-    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, rows, pair, live, e, tl.program_id(1), D, F, BM, BN, BK)
+    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, rows, pair, live, e, D, F, BM, BN, BK)
 
 
 @triton.jit
-def scan_rows(ids_ptr, e, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr):
-    """Scan form: (tokens [BM], their pairs with expert e, live): every token's ids are read and the tokens that
-    chose the expert kept (top-k ids are distinct: at most one rank)."""
+def scan_rows(ids_ptr, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr):
+    """Scan form: (expert, tokens [BM], their pairs with this expert, live) of program (expert, N tile): every
+    token's ids are read and the tokens that chose the expert kept (top-k ids are distinct: at most one rank)."""
+    e = tl.program_id(0)
     t = tl.arange(0, BM)
     r = tl.arange(0, TOPK_P2)
     ids = tl.load(ids_ptr + t[:, None] * TOPK + r[None, :], mask=(t[:, None] < T) & (r[None, :] < TOPK), other=-1)
     hit = ids == e
     live = tl.max(hit.to(tl.int32), axis=1) > 0
     pair = t * TOPK + tl.sum(tl.where(hit, r[None, :], 0), axis=1)
-    return t, pair, live
+    return e, t, pair, live
 
 
 @triton.jit
 def gate_up_scan_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, T, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                         TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Scan form (T <= BM tokens): program (expert, N tile); act in pair order; an unchosen expert returns."""
-    e = tl.program_id(0)
-    t, pair, live = scan_rows(ids_ptr, e, T, TOPK, TOPK_P2, BM)
+    e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    gate_up_tile(x_ptr, w_ptr, act_ptr, t, pair, live, e, tl.program_id(1), D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, w_ptr, act_ptr, t, pair, live, e, D, F, BM, BN, BK)
 
 
 @triton.jit
 def down_scan_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, rw_ptr, T, D: tl.constexpr, F: tl.constexpr,
                      TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr):
-    e = tl.program_id(0)
-    t, pair, live = scan_rows(ids_ptr, e, T, TOPK, TOPK_P2, BM)
+    e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, pair, pair, live, e, tl.program_id(1), D, F, BM, BN, BK)
-
-
-@triton.jit
-def chosen_experts(ids_ptr, T, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr):
-    """[E_P2] int32: 1 for an expert some pair chose (a skipped pair's id >= E chooses none), else 0."""
-    ex = tl.arange(0, E_P2)
-    hit = tl.zeros((E_P2,), dtype=tl.int32)
-    for p0 in range(0, T * TOPK, 64):
-        p = p0 + tl.arange(0, 64)
-        ids = tl.load(ids_ptr + p, mask=p < T * TOPK, other=E)
-        hit = tl.maximum(hit, tl.max((ids[None, :] == ex[:, None]).to(tl.int32), axis=1))
-    return tl.where(ex < E, hit, 0)
-
-
-@triton.jit
-def wait_count(ptr, target):
-    """Spin until the counter at ptr reaches target (other programs of this launch raise it), then read it once
-    more with acquire order, so that this program's later loads see what they wrote before raising it."""
-    while tl.load(ptr, volatile=True) < target:
-        pass
-    tl.atomic_add(ptr, 0, sem="acquire")
-
-
-@triton.jit
-def experts_one_launch_kernel(x_ptr, wgu_ptr, wd_ptr, act_ptr, y_ptr, out_ptr, ids_ptr, rw_ptr, sync_ptr, T,
-                              E: tl.constexpr, E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-                              TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN_UP: tl.constexpr,
-                              BK_UP: tl.constexpr, BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, BT: tl.constexpr,
-                              BD: tl.constexpr):
-    """The scan form's gate_up, down and combine in one launch of persistent programs (moe_triton.launch). Work items
-    by ticket (an atomic counter, sync[0]): first gate_up's (chosen expert, N tile) items, then down's, then
-    combine's tiles; an item's tiles are exactly the three-launch form's, so the output is bitwise the same. A down
-    item waits until every gate_up item of its expert is done (sync[2 + e] == F // BN_UP), a combine item until
-    every down item is (sync[1]). A program takes a ticket only when it can run it, and tickets come in order, so
-    whatever a waiting item needs is held by a running program that waits on nothing later: no deadlock, however
-    many programs are resident. sync [2 + E] int32 must be zero at launch."""
-    hit = chosen_experts(ids_ptr, T, E, E_P2, TOPK)
-    ranks = tl.cumsum(hit, axis=0)  # expert of chosen rank r: the count of experts whose inclusive rank <= r
-    NU: tl.constexpr = F // BN_UP
-    ND: tl.constexpr = D // BN_DOWN
-    NC: tl.constexpr = D // BD
-    up_items = tl.sum(hit, axis=0) * NU
-    down_items = tl.sum(hit, axis=0) * ND
-    total = up_items + down_items + tl.cdiv(T, BT) * NC
-    i = tl.atomic_add(sync_ptr, 1)
-    while i < total:
-        if i < up_items:
-            e = tl.sum((ranks <= i // NU).to(tl.int32), axis=0)
-            t, pair, live = scan_rows(ids_ptr, e, T, TOPK, TOPK_P2, BM)
-            gate_up_tile(x_ptr, wgu_ptr, act_ptr, t, pair, live, e, i % NU, D, F, BM, BN_UP, BK_UP)
-            tl.debug_barrier()  # every thread's stores issued before the release below
-            tl.atomic_add(sync_ptr + 2 + e, 1, sem="release")
-        elif i < up_items + down_items:
-            j = i - up_items
-            e = tl.sum((ranks <= j // ND).to(tl.int32), axis=0)
-            t, pair, live = scan_rows(ids_ptr, e, T, TOPK, TOPK_P2, BM)
-            wait_count(sync_ptr + 2 + e, NU)
-            down_tile(act_ptr, wd_ptr, y_ptr, rw_ptr, pair, pair, live, e, j % ND, D, F, BM, BN_DOWN, BK_DOWN, True)
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr + 1, 1, sem="release")
-        else:
-            j = i - up_items - down_items
-            wait_count(sync_ptr + 1, down_items)
-            combine_tile(y_ptr, ids_ptr, out_ptr, j // NC, j % NC, T, E, D, TOPK, BT, BD, True)
-        i = tl.atomic_add(sync_ptr, 1)
+    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, pair, pair, live, e, D, F, BM, BN, BK)
 
 
 @triton.jit
@@ -251,24 +181,14 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, D: tl.constexpr, TOPK: tl.cons
                    BD: tl.constexpr):
     """out[t] = sum over ranks 0..k-1 of y[t * k + rank] in float32, in that order, rounded once; a skipped pair
     (id >= E: no expert wrote its row of y) adds 0."""
-    combine_tile(y_ptr, ids_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, D, TOPK, BT, BD)
-
-
-@triton.jit
-def combine_tile(y_ptr, ids_ptr, out_ptr, tt, dt, T, E, D: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
-                 BD: tl.constexpr, L2_Y: tl.constexpr = False):
-    """combine_kernel's sums on token tile tt, D tile dt; L2_Y: y read past L1 (the one-launch form)."""
-    t = tt * BT + tl.arange(0, BT)
-    d = dt * BD + tl.arange(0, BD)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
     live = t < T
     rows = y_ptr + (t.to(tl.int64) * TOPK * D)[:, None] + d[None, :]
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     for r in tl.static_range(TOPK):
         held = live & (tl.load(ids_ptr + t.to(tl.int64) * TOPK + r, mask=live, other=E) < E)
-        if L2_Y:
-            acc += tl.load(rows + r * D, mask=held[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            acc += tl.load(rows + r * D, mask=held[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(rows + r * D, mask=held[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live[:, None])
 

@@ -111,6 +111,7 @@ def _kernels():
 # on 4 warps); the sort and per-row forms pass the interpreter's exactness checks but have not run on a GPU yet:
 # `bench_block_routing.py --sweep 1,8` times every form and the layer under each, to choose from.
 ROUTER_TOPK_SORT = False
+BLOCK_TOPK_SORT = False  # the block router's top-k form (the same choice as ROUTER_TOPK_SORT, for block routing)
 BLOCK_ADMIT_SORT = False
 BLOCK_ROUTE_ROW_MAX = 0
 BLOCK_ROUTE_WARPS = 4
@@ -185,7 +186,7 @@ def block_route_launch(logits, bias, groups, row: int, capacity: int, top_k: int
             logits, bias, groups, agg, ids, w, scaling, E=E, CAPACITY=capacity, TOPK=top_k, NORM=norm and top_k > 1,
             ROW=row if fused else 0, ROW_CHUNK=8, CHUNK=min(32, E),
             ADMIT_SORT=fused or (BLOCK_ADMIT_SORT if admit_sort is None else admit_sort),
-            TOPK_SORT=ROUTER_TOPK_SORT if topk_sort is None else topk_sort, num_warps=warps)
+            TOPK_SORT=BLOCK_TOPK_SORT if topk_sort is None else topk_sort, num_warps=warps)
     return ids, w
 
 
@@ -222,9 +223,24 @@ def _(x, w_gate_up, w_down, ids, weights):
 # standard / block-48 layer 0.360 / 0.146 ms sorted, 0.355 / 0.142 ms scan, bitwise the same output
 # (test_scan_form_equals_sorted_form); decode end to end +1 %.
 EXPERT_SCAN_TOKENS = 32
-# A scan program holds every token's rows (BM = T rounded up to a power of two): at 256 tokens it asked 384 KB of
-# shared memory (an H100 SM has 227 KB); at 64, tests/models/test_moe_kernels_compile.py checks it fits.
-SCAN_MAX_TOKENS = 64
+# A scan program holds every token's rows (BM = T rounded up to a power of two), each pipeline stage a [BM, BK] row
+# tile and gate_up's two [BK, BN] weight tiles: on the device's Triton (torch 2.11) 245,760 bytes of shared memory at
+# 64 tokens (3 x (64 x 128 + 2 x 128 x 128) x 2; an H100 SM has 227 KB: OutOfResources, 2026-12-06), 221,184 at 32
+# (tests/models/test_moe_tiles.py checks that count; Triton 3.9 on the CPU reports less, so its sm_90 compile alone
+# did not catch it). At 256 tokens it asked 384 KB.
+SCAN_MAX_TOKENS = 32
+# The scan form's (gate_up, down) tiles, each (BN cap, BK cap, warps, stages); BM is the call's tokens. The same BK
+# as the sorted form's decode tiles keeps a token's sums, so its bits, whatever the form. Until the A/B
+# (bench_block_routing.py --ab), default_tiles' decode tiles.
+SCAN_TILE_SPECS: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((128, 128, 4, 3), (128, 128, 4, 3))
+
+
+def scan_tiles(dim: int, inner: int) -> tuple[MoETile, MoETile]:
+    """The scan form's (gate_up, down) tiles from SCAN_TILE_SPECS, the caps cut to the dims."""
+    (bn, bk, w, st), (dbn, dbk, dw, dst) = SCAN_TILE_SPECS
+    return (MoETile(16, _block(inner, bn), _block(dim, bk), w, st),
+            MoETile(16, _block(dim, dbn), _block(inner, dbk), dw, dst))
+
 
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
 # and two kernels over all the pairs: fewer launches at decode sizes, but one program's loop grows with the pairs.
@@ -257,24 +273,6 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_ms: tuple[int, int], small
     return order, offs, tile_end
 
 
-# The scan form as one launch of persistent programs (moe_kernels.experts_one_launch_kernel: gate_up, down and
-# combine by ticket, down waiting on its expert's gate_up): no launch gaps or wave tails between the three kernels
-# (at a decode row of block routing's 48 experts, the gate_up kernel is ~1.5 waves of 128 x 2048 tiles), bitwise
-# the same output (gate_up's warps and stages for all three). ONE_LAUNCH_PROGRAMS_PER_SM programs per SM; its
-# counters are zeroed by one small fill per call. False until timed on a GPU (bench_block_routing.py --sweep: layer
-# "one_launch").
-SCAN_ONE_LAUNCH = False
-ONE_LAUNCH_PROGRAMS_PER_SM = 1
-
-
-def one_launch_programs(device: torch.device) -> int:
-    """Programs of the one-launch form: ONE_LAUNCH_PROGRAMS_PER_SM per SM; 2 on the CPU, where the interpreter
-    runs programs one after another (the first takes every ticket, the second finds none left)."""
-    if device.type != "cuda":
-        return 2
-    return ONE_LAUNCH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def scan_form(tokens: int, scan: bool | None = None) -> bool:
     """Whether a call of `tokens` tokens takes the experts' scan form (`scan`: asked for; None: the default)."""
     use = tokens <= min(EXPERT_SCAN_TOKENS, SCAN_MAX_TOKENS) if scan is None else scan
@@ -285,33 +283,20 @@ def scan_form(tokens: int, scan: bool | None = None) -> bool:
 
 
 def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None,
-           scan: bool | None = None, one_launch: bool | None = None) -> torch.Tensor:
+           scan: bool | None = None) -> torch.Tensor:
     """The op's body; `tiles` overrides the default (gate_up, down) tiles, `scan` the form (None: the scan form up
-    to EXPERT_SCAN_TOKENS tokens), `one_launch` the scan form's launches (None: SCAN_ONE_LAUNCH) (benchmark
-    sweeps)."""
+    to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps)."""
     T, D = x.shape
     scan = scan_form(T, scan)
     kern = _kernels()
     E, F = w_down.shape[0], w_down.shape[2]
     top_k = ids.shape[1]
     pairs = T * top_k
-    t_up, t_down = tiles or default_tiles(pairs, E, D, F)
+    t_up, t_down = tiles or (scan_tiles(D, F) if scan else default_tiles(pairs, E, D, F))
     act = torch.empty(pairs, F, dtype=x.dtype, device=x.device)
     # y in pair order [T * k, D] (not [k, T, D]): the down kernel stores at row `pair` as it is, and the
     # combine reads each token's k rows as one contiguous k * D span
     y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
-    if scan and (SCAN_ONE_LAUNCH if one_launch is None else one_launch):
-        if T:
-            bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
-            sync = torch.zeros(2 + E, dtype=torch.int32, device=x.device)
-            kern.experts_one_launch_kernel[(one_launch_programs(x.device),)](
-                x, w_gate_up, w_down, act, y, out, ids, weights, sync, T, E=E, E_P2=1 << (E - 1).bit_length(),
-                D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN_UP=t_up.block_n, BK_UP=t_up.block_k,
-                BN_DOWN=t_down.block_n, BK_DOWN=t_down.block_k, BT=4, BD=bd, num_warps=t_up.warps,
-                num_stages=t_up.stages)
-        return out
     if scan:
         bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
         kern.gate_up_scan_kernel[(E, F // t_up.block_n)](
@@ -329,6 +314,8 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
         kern.down_kernel[(max_row_tiles(pairs, E, t_down.block_m), D // t_down.block_n)](
             act, w_down, y, order, offs, tile_end[1], weights, E=E, E_P2=e_p2, D=D, F=F, BM=t_down.block_m,
             BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
+    out = torch.empty_like(x)
+    bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
     kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd)
     return out
 

@@ -35,13 +35,11 @@ def main() -> None:
         assert torch.equal(flat[order[:n].long()], flat[flat < E].sort().values), (T, E)
         for row, bm in zip(tile_end, (16, 32)):
             assert torch.equal(row, ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32))
-        out = moe_triton.launch(x, wgu, wd, skipped, sw, tiles)
-        scan = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=T > moe_triton.EXPERT_SCAN_TOKENS)
-        assert (out[dead] == 0).all() and (scan[dead] == 0).all()  # the other form skips the same pairs
-        if T <= moe_triton.SCAN_MAX_TOKENS:  # the scan form in one launch: the same tiles, the same sums
-            one = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=True, one_launch=True)
-            assert torch.equal(one, moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=True, one_launch=False))
-        assert (scan.double() - out.double()).abs().max().item() <= 1e-3 * out.double().abs().max().item()
+        out = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=False)
+        if T <= moe_triton.SCAN_MAX_TOKENS:  # the scan form skips the same pairs
+            scan = moe_triton.launch(x, wgu, wd, skipped, sw, tiles, scan=True)
+            assert (scan[dead] == 0).all()
+            assert (scan.double() - out.double()).abs().max().item() <= 1e-3 * out.double().abs().max().item()
         # float64 over the held pairs, the activation rounded to fp16 as stored
         safe = skipped.clamp(max=E - 1)
         gate, up = torch.einsum("td,tkfd->tkf", x.double(), wgu.double()[safe]).chunk(2, dim=-1)

@@ -294,7 +294,7 @@ def test_triton_router_equals_the_torch_routing(capacity, T, blocks):
         ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, index, row, capacity, 8, True, 2.5)
         assert torch.equal(ids, want_ids) and (ids[-3:] == 256).all() and (w[-3:] == 0).all()  # dead: no expert
         assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
-        for row_max, admit_sort, topk_sort in [(0, True, True), (0, False, False), (row, None, False)]:
+        for row_max, admit_sort, topk_sort in [(0, True, True), (0, False, False), (row, None, False), (row, None, True)]:
             ids, w = moe_triton.block_route_launch(logits, bias, index, row, capacity, 8, True, 2.5,
                                                    admit_sort=admit_sort, topk_sort=topk_sort, row_max=row_max)
             assert torch.equal(ids, want_ids), (row, row_max, admit_sort, topk_sort)

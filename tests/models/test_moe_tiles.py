@@ -85,3 +85,15 @@ def test_scan_form_only_where_its_rows_fit(monkeypatch):
     assert moe_triton.scan_form(cap) and not moe_triton.scan_form(cap + 1)
     monkeypatch.setattr(moe_triton, "EXPERT_SCAN_TOKENS", 32)
     assert moe_triton.scan_form(32) and not moe_triton.scan_form(33)
+
+
+@pytest.mark.parametrize("dim,inner", [(2048, 512), (4096, 1024)])  # LLaDA2.0-mini, LLaDA2.2-flash-shaped
+def test_scan_tiles_fit_an_sm90_at_the_most_tokens(dim, inner):
+    """The device's Triton (torch 2.11) holds every pipeline stage of a scan program's tiles in shared memory: a [BM,
+    BK] row tile, and gate_up's two [BK, BN] weight tiles (down's one), bf16. At 64 tokens that count was 245,760
+    bytes and the H100 refused the launch (OutOfResources, 2026-12-06); Triton 3.9's sm_90 compile on the CPU reports
+    less, so the count itself is checked here, at SCAN_MAX_TOKENS rows, against an SM's 227 KB."""
+    bm = 1 << (moe_triton.SCAN_MAX_TOKENS - 1).bit_length()
+    up, down = moe_triton.scan_tiles(dim, inner)
+    assert up.stages * (bm * up.block_k + 2 * up.block_k * up.block_n) * 2 <= 227 * 1024
+    assert down.stages * (bm * down.block_k + down.block_k * down.block_n) * 2 <= 227 * 1024

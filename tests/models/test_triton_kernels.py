@@ -98,45 +98,6 @@ def test_scan_form_equals_sorted_form(routing):
         assert torch.isfinite(outs[1]).all()
 
 
-@pytest.mark.parametrize("programs", ["per_sm_1", "per_sm_4", "three"])
-def test_one_launch_equals_three_launches(programs, monkeypatch):
-    """The scan form in one launch of persistent programs (gate_up, down and combine by ticket, spin waits between)
-    gives the three launches' output bitwise at LLaDA2.0-mini's expert shape (standard, a block's 48 experts, dead
-    tokens), whatever the programs (1 or 4 a SM, or only 3: the tickets hand out the work), and again when replayed
-    in a CUDA graph (its counters start at zero in every replay)."""
-    if programs == "three":
-        monkeypatch.setattr(moe_triton, "one_launch_programs", lambda device: 3)
-    else:
-        monkeypatch.setattr(moe_triton, "ONE_LAUNCH_PROGRAMS_PER_SM", int(programs[-1]))
-    E, k, D, F = 256, 8, 2048, 512
-    moe = moe_layer(E, k, D, F)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    for T in (1, 7, 32, 64):
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        with torch.no_grad():
-            ids, w = moe.route(x)
-            admitted = torch.randperm(E, device="cuda", generator=g)[:48]
-            block = admitted[torch.rand(T, 48, device="cuda", generator=g).argsort(-1)[:, :k]]
-            dead_ids, dead_w = ids.clone(), w.clone()
-            dead_ids[::2], dead_w[::2] = E, 0
-            for case, (i, wt) in {"standard": (ids, w), "block48": (block, w), "dead": (dead_ids, dead_w)}.items():
-                three = moe_triton.launch(x, moe.w_gate_up, moe.w_down, i, wt, scan=True, one_launch=False)
-                one = moe_triton.launch(x, moe.w_gate_up, moe.w_down, i, wt, scan=True, one_launch=True)
-                assert torch.equal(one, three), (programs, T, case)
-    graph, out = torch.cuda.CUDAGraph(), None
-    with torch.no_grad():
-        moe_triton.launch(x, moe.w_gate_up, moe.w_down, block, w, scan=True, one_launch=True)  # compiled outside
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            out = moe_triton.launch(x, moe.w_gate_up, moe.w_down, block, w, scan=True, one_launch=True)
-        want = moe_triton.launch(x, moe.w_gate_up, moe.w_down, block, w, scan=True, one_launch=False)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want), programs
-
-
 def test_prefill_tiles_keep_rows_bitwise():
     """At prefill sizes (from PREFILL_PAIRS_PER_EXPERT pairs per expert) the prefill tiles run, and a token's routed
     output there is bitwise its output in a decode-sized call (other tiles): chunked prefill and decode agree."""

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -135,7 +136,8 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
 
 # The router and sort forms not yet chosen (top-k and admission by sort, block phase 1 per decode row, the
 # one-program sort), against moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
-CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128, "SORT_SMALL_PAIRS": 512}
+CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128,
+             "SORT_SMALL_PAIRS": 512}
 
 
 @contextlib.contextmanager
@@ -157,9 +159,7 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     router by (phase 1 per row or by atomic max, admission by sort or rank tiles, top-k by sort or max picks) and
     warps, and the standard router by top-k form (on fixed logits); the sort in one program or three kernels; the
     whole layer of both routings under the defaults, the candidate forms, and the experts' sorted and scan forms
-    (the scan form, in three launches and in one, alone and with the candidate routers, only where it applies: up
-    to SCAN_MAX_TOKENS tokens, else None); the one-launch experts by programs per SM and gate_up N tile; the
-    experts' (gate_up, down)
+    (the scan form only where it applies: up to SCAN_MAX_TOKENS tokens, else None); the experts' (gate_up, down)
     tiles on the block-routed assignment (gate_up tiles first with the default down tile, then down tiles with the best
     gate_up)."""
     c, D = moe.cfg, x.shape[-1]
@@ -182,28 +182,18 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
     bms = (up0.block_m, down0.block_m)
     sort = {f"{'one_program' if small else 'three_kernels'}_ms": graph_ms(
         lambda: moe_triton.sort_pairs(ids, c.num_experts, bms, small)) for small in (True, False)}
-    fits = flat.shape[0] <= moe_triton.SCAN_MAX_TOKENS
-    scan = {"EXPERT_SCAN_TOKENS": moe_triton.SCAN_MAX_TOKENS, "SCAN_ONE_LAUNCH": False} if fits else None
-    one = scan and scan | {"SCAN_ONE_LAUNCH": True}
-    layers = {"scan": None, "one_launch": None, "one_launch_candidate": None}
+    layers = {"scan": None}
+    scan = {"EXPERT_SCAN_TOKENS": moe_triton.SCAN_MAX_TOKENS} if flat.shape[0] <= moe_triton.SCAN_MAX_TOKENS else None
     for name, settings in (("default", {}), ("candidate", CANDIDATE), ("sorted", {"EXPERT_SCAN_TOKENS": 0}),
-                           ("scan", scan), ("one_launch", one), ("one_launch_candidate", one and one | CANDIDATE)):
+                           ("scan", scan)):
         if settings is None:
             continue
         with forms(**settings):
             layers[name] = {"standard_ms": graph_ms(lambda: standard(x, "auto", groups, None)),
                             "block_ms": graph_ms(lambda: moe(x, "auto", groups, index))}
 
-    def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile, **form) -> float:
-        return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down), **form))
-
-    one_launch = []
-    for per_sm in (1, 2, 3, 4) if fits else ():
-        for bn in (64, 128):
-            up = dataclasses.replace(up0, block_n=moe_triton._block(c.expert_dim, bn))
-            with forms(ONE_LAUNCH_PROGRAMS_PER_SM=per_sm):
-                one_launch.append({"per_sm": per_sm, "gate_up_bn": up.block_n,
-                                   "ms": tiles_ms(up, down0, scan=True, one_launch=True)})
+    def tiles_ms(up: moe_triton.MoETile, down: moe_triton.MoETile) -> float:
+        return graph_ms(lambda: moe_triton.launch(flat, moe.w_gate_up, moe.w_down, ids, w, (up, down)))
 
     spec = lambda bm, bn, bk, warps, st, n, k: moe_triton.MoETile(  # noqa: E731
         bm, moe_triton._block(n, bn), moe_triton._block(k, bk), warps, st)
@@ -222,8 +212,40 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
         moe_triton.default_tiles = default_tiles
     return {"router": router, "standard_router": std_router, "sort": sort, "layers": layers,
             "default_tiles": [dataclasses.asdict(up0), dataclasses.asdict(down0)],
-            "default_ms": tiles_ms(up0, down0), "one_launch_experts": one_launch, "gate_up": ups, "down": downs,
+            "default_ms": tiles_ms(up0, down0), "gate_up": ups, "down": downs,
             "best": {"gate_up": best_up, "down": best_down}, "forward_ms_best_tiles": forward_best}
+
+
+# The A/B of decode-row settings (--ab): the block router in one kernel per row with sorted admission and top-k
+# (the sweep's fastest router form on the H100, 2026-12-06), and the scan form's tiles with 64-wide N tiles (the
+# sweep's best experts tiles there: 0.1180 against 0.1245 ms)
+AB = {"default": {}, "row_router": {"BLOCK_ROUTE_ROW_MAX": 128, "BLOCK_TOPK_SORT": True},
+      "scan_tiles": {"SCAN_TILE_SPECS": ((64, 128, 4, 4), (64, 128, 2, 3))}}
+AB["both"] = AB["row_router"] | AB["scan_tiles"]
+
+
+@torch.no_grad()
+def ab(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor, rounds: int) -> dict:
+    """The whole layer of both routings under each AB setting, `rounds` rounds interleaved (a drift of the clocks
+    moves every setting alike), CUDA-graph medians; per setting the median over rounds of each routing and of the
+    ratio, and each layer's kernels once (kernel durations from the profiler)."""
+    index = route_index(groups)
+    runs = {name: [] for name in AB}
+    for _ in range(rounds):
+        for name, settings in AB.items():
+            with forms(**settings):
+                s = graph_ms(lambda: standard(x, "auto", groups, None))
+                b = graph_ms(lambda: moe(x, "auto", groups, index))
+            runs[name].append({"standard_ms": s, "block_ms": b, "ratio": s / b})
+    out = {}
+    for name, rs in runs.items():
+        with forms(**AB[name]):
+            profiles = {"standard": kernels(standard, x, groups)["kernel_us_sum"],
+                        "block": kernels(moe, x, groups)["kernel_us_sum"]}
+        out[name] = {"settings": AB[name], "rounds": rs,
+                     **{k: statistics.median(r[k] for r in rs) for k in ("standard_ms", "block_ms", "ratio")},
+                     "kernel_us_sum": profiles}
+    return out
 
 
 def print_sweep(s: dict) -> None:
@@ -239,9 +261,7 @@ def print_sweep(s: dict) -> None:
         "{standard_ms:.4f}/{block_ms:.4f} ms, candidate forms {c[standard_ms]:.4f}/{c[block_ms]:.4f} ms".format(
             **s["layers"]["default"], c=s["layers"]["candidate"]) + ", experts " + ", ".join(
             f"{form} " + ("{standard_ms:.4f}/{block_ms:.4f} ms".format(**t) if t else "- (too many tokens)")
-            for form, t in s["layers"].items() if form not in ("default", "candidate")) +
-        "; one-launch experts (per SM, gate_up BN) " + ", ".join(
-            f"{r['per_sm']}/{r['gate_up_bn']} {r['ms']:.4f}" for r in s["one_launch_experts"]) +
+            for form, t in (("sorted", s["layers"]["sorted"]), ("scan", s["layers"]["scan"]))) +
         f"; experts default tiles {s['default_ms']:.4f} ms, best up {best['gate_up']['tile']} -> down "
         f"{best['down']['tile']} {best['down']['ms']:.4f} ms; layer with them {s['forward_ms_best_tiles']:.4f} ms",
         flush=True)
@@ -293,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--candidate-forms", action="store_true",
                     help="the whole run with the unmeasured router and sort forms (CANDIDATE), for an A/B")
     ap.add_argument("--kernels", action="store_true", help="also list each layer's CUDA kernels by time (CUDA)")
+    ap.add_argument("--ab", type=int, default=0, help="rounds of the decode-row A/B (AB) at batch 1 (CUDA; 0: none)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
@@ -309,7 +330,7 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     ceil = None if smoke else ceilings()
     timer = eager_ms if smoke else graph_ms
-    records, checks, sweeps = [], [], []
+    records, checks, sweeps, abs_ = [], [], [], []
     for shape in shapes:
         torch.manual_seed(0)  # weights and tokens: the same experts touched in every run
         standard = build(shape, device)
@@ -334,6 +355,11 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
             if not smoke:
                 checks.append({"shape": shape.name, "batch": batch, **check_op(blocked, x, groups)})
                 print("Triton moe_block_route vs torch block_route:", json.dumps(checks[-1]), flush=True)
+            if batch == 1 and args.ab and not smoke:
+                abs_.append({"shape": shape.name, **ab(standard, blocked, x, groups, args.ab)})
+                print(f"ab {shape.name} B=1 (standard / block ms, ratio; medians of {args.ab} rounds): " + ", ".join(
+                    f"{k} {v['standard_ms']:.4f}/{v['block_ms']:.4f} {v['ratio']:.3f}x"
+                    for k, v in abs_[-1].items() if k != "shape"), flush=True)
             if str(batch) in args.sweep.split(",") and not smoke:
                 sweeps.append({"shape": shape.name, "batch": batch, **sweep(standard, blocked, x, groups)})
                 print_sweep(sweeps[-1])
@@ -341,12 +367,12 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity,
-           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS", "SCAN_ONE_LAUNCH",
-                                                          "ONE_LAUNCH_PROGRAMS_PER_SM")},
+           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS",
+                                                          "SCAN_TILE_SPECS")},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
-           **({"sweeps": sweeps} if sweeps else {})}
+           **({"sweeps": sweeps} if sweeps else {}), **({"ab": abs_} if abs_ else {})}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     for c in checks:

@@ -15,7 +15,8 @@
 # compiledllm bench of recipes/serve_llada2_mini.yaml, then `compiledllm serve` of it under tools/bench/load_test.py),
 # blockroute (LLaDA2.2 block routing: GPU tests of test_block_routing.py + test_triton_kernels.py, bench_block_routing.py
 # (one MoE layer, standard vs capacity 48), then compiledllm bench at 4K of recipes/bench_block48{_standard,}.yaml
-# under each experts' form: BLOCKROUTE_FORMS of sorted / scan / one (the scan form in one launch), default "scan one"),
+# under each BLOCKROUTE_FORMS: sorted (the experts' pairs sorted) or a setting of bench_block_routing.AB, default
+# "sorted default"),
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
@@ -203,12 +204,13 @@ if has blockroute; then  # LLaDA2.2 block routing: GPU tests, the MoE layer alon
     2>&1 | tee "$OUT/block_routing_tests.log" | tail -8
   timeout -k 20 ${BLOCKROUTE_TIMEOUT:-170} python3 tools/bench/bench_block_routing.py --out "$OUT/bench_block_routing_h200.json" \
     ${BLOCKROUTE_ARGS:---sweep 1,8 --kernels} 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_block_routing.log" | tail -22
-  # end to end under each experts' form (BLOCKROUTE_FORMS): sorted pairs, the scan form, the scan form in one launch
-  for form in ${BLOCKROUTE_FORMS:-scan one}; do
+  # end to end under each BLOCKROUTE_FORMS: pairs sorted by expert, or an A/B setting of the bench (default: none)
+  for form in ${BLOCKROUTE_FORMS:-sorted default}; do
     for r in ${BLOCKROUTE_RECIPES-bench_block48_standard bench_block48}; do
-      timeout -k 20 ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -c "from compiledllm.models import moe_triton
-moe_triton.EXPERT_SCAN_TOKENS = 0 if '$form' == 'sorted' else 32
-moe_triton.SCAN_ONE_LAUNCH = '$form' == 'one'
+      timeout -k 20 ${BLOCKROUTE_E2E_TIMEOUT:-140} python3 -c "import sys; sys.path.insert(0, 'tools/bench')
+from bench_block_routing import AB
+from compiledllm.models import moe_triton
+for k, v in ({'EXPERT_SCAN_TOKENS': 0} if '$form' == 'sorted' else AB['$form']).items(): setattr(moe_triton, k, v)
 from compiledllm.cli import main; main()" bench recipes/$r.yaml --set compile=$COMPILE --prompt-len ${BLOCKROUTE_PROMPTS:-4096} \
         --output-len 512 --batch ${BLOCKROUTE_BATCHES:-1,8,32} --out "$OUT/e2e_${r}_$form.json" 2>&1 \
         | grep --line-buffered -v -i warn | tee "$OUT/e2e_${r}_$form.log" | tail -8
