@@ -29,7 +29,7 @@ from compiledllm.engine import Engine, generate
 from compiledllm.errors import UserError
 from compiledllm.models.block_routing import BlockRoutedMoE, block_route, block_routed, group_index, route_index
 from compiledllm.models.layers import MoE
-from compiledllm.policies.plan import Forward, route_groups
+from compiledllm.policies.plan import Forward
 
 BLOCK = 4
 E = 8  # tests/checkpoints.py's llada2: 8 experts, top-2, 4 groups of 2 (2 kept), one shared expert
@@ -294,7 +294,8 @@ def test_triton_router_equals_the_torch_routing(capacity, T, blocks):
         ids, w = torch.ops.compiledllm.moe_block_route(logits, bias, index, row, capacity, 8, True, 2.5)
         assert torch.equal(ids, want_ids) and (ids[-3:] == 256).all() and (w[-3:] == 0).all()  # dead: no expert
         assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
-        for row_max, admit_sort, topk_sort in [(0, True, True), (0, False, False), (row, None, False), (row, None, True)]:
+        forms = [(0, True, True), (0, False, False), (row, None, False), (row, None, True)]
+        for row_max, admit_sort, topk_sort in forms:
             ids, w = moe_triton.block_route_launch(logits, bias, index, row, capacity, 8, True, 2.5,
                                                    admit_sort=admit_sort, topk_sort=topk_sort, row_max=row_max)
             assert torch.equal(ids, want_ids), (row, row_max, admit_sort, topk_sort)
