@@ -106,14 +106,16 @@ def _kernels():
 # How the routers pick. ROUTER_TOPK_SORT: each token's top-k by one bitonic sort of packed (score, id) keys (else
 # top_k dependent max reductions); BLOCK_ADMIT_SORT: a block's admitted experts by the same sort (else each
 # expert's rank counted over comparison tiles); BLOCK_ROUTE_ROW_MAX: rows of up to this many tokens (decode) take
-# phase 1 inside the pick kernel (no aggregate buffer, fill or atomic-max kernel; 0: never). The defaults are the
-# forms measured on the H200 (2026-12-03, tools/bench/bench_block_routing.py --sweep: the block op 18.4 us by rank
-# on 4 warps); the sort and per-row forms pass the interpreter's exactness checks but have not run on a GPU yet:
-# `bench_block_routing.py --sweep 1,8` times every form and the layer under each, to choose from.
+# phase 1 inside the pick kernel (no aggregate buffer, fill or atomic-max kernel; 0: never; such a row's admission
+# is always by sort); BLOCK_TOPK_SORT: the block router's top-k form. The standard router keeps dependent max picks
+# (its sort was 2x slower at B1 on both cards). The block router takes the per-row phase 1 and sorted top-k, the
+# fastest form of every H100 sweep (2026-12-06, `bench_block_routing.py --sweep 1,8`: mini B1 / B8, flash-shaped B1
+# / B8), and in the A/B of 5 interleaved rounds (`--ab 5`) the mini B1 block layer 0.1394 ms against 0.1462 by atomic
+# max and rank tiles (standard 0.352 either way). The H200 sweep (2026-12-05) timed the forms within its noise.
 ROUTER_TOPK_SORT = False
-BLOCK_TOPK_SORT = False  # the block router's top-k form (the same choice as ROUTER_TOPK_SORT, for block routing)
+BLOCK_TOPK_SORT = True
 BLOCK_ADMIT_SORT = False
-BLOCK_ROUTE_ROW_MAX = 0
+BLOCK_ROUTE_ROW_MAX = 128
 BLOCK_ROUTE_WARPS = 4
 
 
@@ -230,9 +232,10 @@ EXPERT_SCAN_TOKENS = 32
 # did not catch it). At 256 tokens it asked 384 KB.
 SCAN_MAX_TOKENS = 32
 # The scan form's (gate_up, down) tiles, each (BN cap, BK cap, warps, stages); BM is the call's tokens. The same BK
-# as the sorted form's decode tiles keeps a token's sums, so its bits, whatever the form. Until the A/B
-# (bench_block_routing.py --ab), default_tiles' decode tiles.
-SCAN_TILE_SPECS: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((128, 128, 4, 3), (128, 128, 4, 3))
+# as the sorted form's decode tiles keeps a token's sums, so its bits, whatever the form. N tiles of 64: the best of
+# the H100 tile sweep at mini B1 (experts 0.1180 against 0.1245 ms with default_tiles' 128-wide decode tiles); in
+# the A/B (`--ab 5`) worth ~1 % of the block layer, beside the router's 5 %.
+SCAN_TILE_SPECS: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = ((64, 128, 4, 4), (64, 128, 2, 3))
 
 
 def scan_tiles(dim: int, inner: int) -> tuple[MoETile, MoETile]:

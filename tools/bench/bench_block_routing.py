@@ -134,10 +134,10 @@ def check_op(moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Tensor) -> dict
             "weights_max_abs_diff": float((w - ref_w).abs().max())}
 
 
-# The router and sort forms not yet chosen (top-k and admission by sort, block phase 1 per decode row, the
-# one-program sort), against moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
-CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "BLOCK_ROUTE_ROW_MAX": 128,
-             "SORT_SMALL_PAIRS": 512}
+# The router and sort forms the defaults do not take (the standard router's top-k by sort, admission by sort in
+# rows longer than BLOCK_ROUTE_ROW_MAX, the one-program sort; each slower or even where timed so far), against
+# moe_triton's defaults; `--candidate-forms` runs the whole benchmark under them.
+CANDIDATE = {"ROUTER_TOPK_SORT": True, "BLOCK_ADMIT_SORT": True, "SORT_SMALL_PAIRS": 512}
 
 
 @contextlib.contextmanager
@@ -216,12 +216,12 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
             "best": {"gate_up": best_up, "down": best_down}, "forward_ms_best_tiles": forward_best}
 
 
-# The A/B of decode-row settings (--ab): the block router in one kernel per row with sorted admission and top-k
-# (the sweep's fastest router form on the H100, 2026-12-06), and the scan form's tiles with 64-wide N tiles (the
-# sweep's best experts tiles there: 0.1180 against 0.1245 ms)
-AB = {"default": {}, "row_router": {"BLOCK_ROUTE_ROW_MAX": 128, "BLOCK_TOPK_SORT": True},
-      "scan_tiles": {"SCAN_TILE_SPECS": ((64, 128, 4, 4), (64, 128, 2, 3))}}
-AB["both"] = AB["row_router"] | AB["scan_tiles"]
+# The A/B of decode-row settings (--ab): the defaults against the forms they replaced on 2026-12-06 (the block
+# router's phase 1 by atomic max with admission by rank tiles and top-k by max picks; the scan form on
+# default_tiles' 128-wide decode tiles), each alone and both
+AB = {"default": {}, "atomic_router": {"BLOCK_ROUTE_ROW_MAX": 0, "BLOCK_TOPK_SORT": False},
+      "wide_tiles": {"SCAN_TILE_SPECS": ((128, 128, 4, 3), (128, 128, 4, 3))}}
+AB["before"] = AB["atomic_router"] | AB["wide_tiles"]
 
 
 @torch.no_grad()
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", default="", help="batches (e.g. 1,8) at which to also time the block router's "
                                                 "variants and the experts' tiles under block routing (CUDA)")
     ap.add_argument("--candidate-forms", action="store_true",
-                    help="the whole run with the unmeasured router and sort forms (CANDIDATE), for an A/B")
+                    help="the whole run with the router and sort forms the defaults do not take (CANDIDATE)")
     ap.add_argument("--kernels", action="store_true", help="also list each layer's CUDA kernels by time (CUDA)")
     ap.add_argument("--ab", type=int, default=0, help="rounds of the decode-row A/B (AB) at batch 1 (CUDA; 0: none)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
@@ -367,8 +367,8 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
     out = {"device": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity,
-           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "EXPERT_SCAN_TOKENS",
-                                                          "SCAN_TILE_SPECS")},
+           "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "BLOCK_TOPK_SORT", "BLOCK_ROUTE_ROW_MAX",
+                                                          "EXPERT_SCAN_TOKENS", "SCAN_TILE_SPECS")},
            "shared_expert": "excluded (runs on every token either way)",
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
