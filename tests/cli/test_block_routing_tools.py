@@ -29,7 +29,26 @@ def test_cpu_smoke_writes_both_routings_within_capacity(tmp_path):
         assert r["forward_ms"] > 0 and r["router_ms"] > 0 and r["experts_per_forward"] >= r["experts_per_block_max"]
         if r["routing"] == "block":
             assert r["experts_per_block_max"] <= r["capacity"] == data["capacity"] and "speedup" in r
-    assert "command" in data and data["torch"]
+    assert "command" in data and data["torch"] and data["shared_experts"] == 0
+
+
+def test_cpu_smoke_with_the_shared_expert_counts_its_bytes(tmp_path):
+    """--shared 1: the layer runs its shared expert under both routings, and its weights count in each record's
+    bytes (one expert more than the routed experts read)."""
+    runs = {}
+    for shared in (0, 1):
+        out = tmp_path / f"smoke{shared}.json"
+        subprocess.run([sys.executable, str(ROOT / "tools/bench/bench_block_routing.py"), "--cpu-smoke", "--batches",
+                        "1", "--shared", str(shared), "--out", str(out)], check=True, cwd=ROOT, capture_output=True,
+                       timeout=60)
+        runs[shared] = json.loads(out.read_text())
+    assert runs[1]["shared_experts"] == 1
+    shape = runs[1]["shapes"]["smoke"]
+    expert = 3 * shape["dim"] * shape["expert_dim"] * 2
+    for plain, with_shared in zip(runs[0]["records"], runs[1]["records"]):
+        # a block's 32 tokens reach all 16 experts, or the 6 admitted: the same routed reads either way
+        assert with_shared["experts_per_forward"] == plain["experts_per_forward"]
+        assert with_shared["weight_bytes"] == plain["weight_bytes"] + expert
 
 
 @pytest.mark.parametrize("name", RECIPES)

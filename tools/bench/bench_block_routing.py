@@ -1,5 +1,5 @@
-"""LLaDA2.2's block routing against standard per-token routing: one MoE layer alone (router + routed experts; no
-shared expert, which runs on every token the same under both routings), bf16 on CUDA.
+"""LLaDA2.2's block routing against standard per-token routing: one MoE layer alone (router + routed experts; the
+shared expert, which runs on every token the same under both routings, only with --shared), bf16 on CUDA.
 
 Two shapes: LLaDA2.0-mini's MoE (dim 2048, expert width 512, 256 experts, top 8, 8 groups / 4 kept) and a
 "LLaDA2.2-flash-shaped, one layer" MoE (dim 4096, width 1024, 256 experts, top 8); random weights and router.
@@ -66,7 +66,7 @@ def build(shape: Shape, device: str) -> MoE:
         moe = MoE(shape.dim, shape.cfg).to(torch.bfloat16)
     moe.expert_bias = moe.expert_bias.float()  # router state stays float32, as a loaded model keeps it
     with torch.no_grad():
-        for p in (moe.gate, moe.w_gate_up, moe.w_down):
+        for p in (moe.gate, moe.w_gate_up, moe.w_down, *(moe.shared.parameters() if moe.shared else ())):
             p.normal_(std=shape.dim ** -0.5)  # router logits of std ~1 for unit-RMS tokens
     return moe
 
@@ -97,7 +97,8 @@ def measure(moe: MoE, x: torch.Tensor, groups: torch.Tensor, timer: Callable[[Ca
     index = route_index(groups) if block else None  # the model makes it once per forward, not per layer
     ids, w = moe.route(flat, "auto", groups, index)
     per_block, union = touched(ids, c.num_experts, rows)
-    weight_bytes = union * 3 * D * c.expert_dim * 2 + c.num_experts * D * 2  # experts read + the router's gate
+    weight_bytes = ((union + c.num_shared) * 3 * D * c.expert_dim * 2  # routed experts read + the shared ones
+                    + c.num_experts * D * 2)  # + the router's gate
     nbytes = weight_bytes + rows * q * D * 2 * (1 + c.top_k)  # + x in, the k partial outputs out (as bench_moe)
     triton = (moe_triton.supports(flat, moe.w_gate_up, moe.w_down)
               and moe_triton.auto_uses_triton(ids.numel(), c.num_experts))  # what backend "auto" runs here
@@ -313,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--candidate-forms", action="store_true",
                     help="the whole run with the router and sort forms the defaults do not take (CANDIDATE)")
     ap.add_argument("--kernels", action="store_true", help="also list each layer's CUDA kernels by time (CUDA)")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="shared experts in the layer (LLaDA2.0-mini and LLaDA2.2-flash have 1; default 0: the part "
+                         "block routing changes)")
     ap.add_argument("--ab", type=int, default=0, help="rounds of the decode-row A/B (AB) at batch 1 (CUDA; 0: none)")
     ap.add_argument("--out", default="docs/results/bench_block_routing.json")
     args = ap.parse_args(argv)
@@ -326,7 +330,8 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
         sys.exit("bench_block_routing: needs CUDA (or --cpu-smoke)")
     device = "cpu" if smoke else "cuda"
     capacity = args.capacity or (6 if smoke else 48)
-    shapes = [SMOKE] if smoke else [SHAPES[s] for s in args.shapes.split(",")]
+    shapes = [dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, num_shared=args.shared))
+              for s in ([SMOKE] if smoke else [SHAPES[s] for s in args.shapes.split(",")])]
     batches = [int(b) for b in args.batches.split(",") if b]
     ceil = None if smoke else ceilings()
     timer = eager_ms if smoke else graph_ms
@@ -369,7 +374,7 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
            "block": BLOCK, "capacity": capacity,
            "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "BLOCK_TOPK_SORT", "BLOCK_ROUTE_ROW_MAX",
                                                           "EXPERT_SCAN_TOKENS", "SCAN_TILE_SPECS")},
-           "shared_expert": "excluded (runs on every token either way)",
+           "shared_experts": args.shared,
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
            **({"sweeps": sweeps} if sweeps else {}), **({"ab": abs_} if abs_ else {})}
