@@ -108,10 +108,11 @@ def _kernels():
 # expert's rank counted over comparison tiles); BLOCK_ROUTE_ROW_MAX: rows of up to this many tokens (decode) take
 # phase 1 inside the pick kernel (no aggregate buffer, fill or atomic-max kernel; 0: never; such a row's admission
 # is always by sort); BLOCK_TOPK_SORT: the block router's top-k form. The standard router keeps dependent max picks
-# (its sort was 2x slower at B1 on both cards). The block router takes the per-row phase 1 and sorted top-k, the
-# fastest form of every H100 sweep (2026-12-06, `bench_block_routing.py --sweep 1,8`: mini B1 / B8, flash-shaped B1
-# / B8), and in the A/B of 5 interleaved rounds (`--ab 5`) the mini B1 block layer 0.1394 ms against 0.1462 by atomic
-# max and rank tiles (standard 0.352 either way). The H200 sweep (2026-12-05) timed the forms within its noise.
+# (at B1 its sort took 15-33 us against 15-17 by max picks in the H100 / H200 sweeps of 2026-12-05/06). The block
+# router takes the per-row phase 1 and sorted top-k, the fastest form of every H100 sweep (2026-12-06,
+# `bench_block_routing.py --sweep 1,8`: mini B1 / B8, flash-shaped B1 / B8), and in the A/B of 5 interleaved rounds
+# (`--ab 5`) the mini B1 block layer 0.1394 ms against 0.1462 by atomic max and rank tiles (standard 0.352 either
+# way). The H200 sweep (2026-12-05) timed the forms within its noise.
 ROUTER_TOPK_SORT = False
 BLOCK_TOPK_SORT = True
 BLOCK_ADMIT_SORT = False
