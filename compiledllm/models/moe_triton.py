@@ -64,6 +64,13 @@ def _block(dim: int, cap: int) -> int:
     return b if b >= 16 else 0
 
 
+def spec_tiles(up: tuple[int, ...], down: tuple[int, ...], dim: int, inner: int) -> tuple[MoETile, MoETile]:
+    """(gate_up, down) tiles from (BM, BN cap, BK cap, warps, stages) specs, the caps cut to the dims."""
+    (bm, bn, bk, w, st), (dbm, dbn, dbk, dw, dst) = up, down
+    return (MoETile(bm, _block(inner, bn), _block(dim, bk), w, st),
+            MoETile(dbm, _block(dim, dbn), _block(inner, dbk), dw, dst))
+
+
 def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETile, MoETile]:
     """(gate_up, down) tiles, from the H200 sweeps of tools/bench/bench_moe.py: 16-row tiles with BN 128 and BK 128
     while experts see <= 16 pairs on average (rows there are mostly padding), 64-row tiles above, down with
@@ -72,9 +79,7 @@ def default_tiles(pairs: int, experts: int, dim: int, inner: int) -> tuple[MoETi
     per expert down on 128 x 256 tiles, 8 warps (4-6 % of the op at 128 and 306 pairs per expert); from
     PREFILL_PAIRS_PER_EXPERT the prefill tiles."""
     if pairs >= PREFILL_PAIRS_PER_EXPERT * experts:
-        (bm, bn, bk, w, st), (dbm, dbn, dbk, dw, dst) = PREFILL_TILE_SPECS
-        return (MoETile(bm, _block(inner, bn), _block(dim, bk), w, st),
-                MoETile(dbm, _block(dim, dbn), _block(inner, dbk), dw, dst))
+        return spec_tiles(*PREFILL_TILE_SPECS, dim, inner)
     if pairs <= 16 * experts:
         return (MoETile(16, _block(inner, 128), _block(dim, 128), 4, 3),
                 MoETile(16, _block(dim, 128), _block(inner, 128), 4, 3))
@@ -240,10 +245,9 @@ SCAN_TILE_SPECS: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] = (
 
 
 def scan_tiles(dim: int, inner: int) -> tuple[MoETile, MoETile]:
-    """The scan form's (gate_up, down) tiles from SCAN_TILE_SPECS, the caps cut to the dims."""
-    (bn, bk, w, st), (dbn, dbk, dw, dst) = SCAN_TILE_SPECS
-    return (MoETile(16, _block(inner, bn), _block(dim, bk), w, st),
-            MoETile(16, _block(dim, dbn), _block(inner, dbk), dw, dst))
+    """The scan form's (gate_up, down) tiles from SCAN_TILE_SPECS (BM 16: unused, the scan's rows are the call's)."""
+    up, down = SCAN_TILE_SPECS
+    return spec_tiles((16, *up), (16, *down), dim, inner)
 
 
 # Up to this many (token, expert) pairs, sort_pairs runs as one program (sort_small_kernel) instead of a zero fill
