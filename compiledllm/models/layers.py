@@ -172,25 +172,33 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: route groups of shape {tuple(groups.shape)} for tokens {tuple(shape[:-1])}")
         rows = None if groups is None else groups.reshape(-1, shape[-2])  # [rows, Q]; x [T, D]: one row
         ids, w = self.route(x, backend, rows, index)
-        out = self._routed(x, ids, w, backend, skip=rows is not None)
-        if self.shared is not None:
+        fuse = self.parallel is None and self._triton(x, ids, backend) and moe_triton.fuses_shared(
+            self.shared, x, self.cfg.expert_dim)
+        out = self._routed(x, ids, w, backend, skip=rows is not None, shared=fuse)
+        if self.shared is not None and not fuse:
             out = out + self.shared(x)
         if self.parallel is not None:
             out = self.parallel.all_reduce(out)
         return out.view(shape)
 
+    def _triton(self, x: torch.Tensor, ids: torch.Tensor, backend: str) -> bool:
+        """Whether the routed experts run as the Triton op (else torch's grouped GEMMs)."""
+        return backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)
+                                       and moe_triton.auto_uses_triton(ids.numel(), self.cfg.num_experts))
+
     def _routed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, backend: str = "auto",
-                skip: bool = False) -> torch.Tensor:
+                skip: bool = False, shared: bool = False) -> torch.Tensor:
         """The T*k (token, expert) pairs through the experts, each token's k outputs summed: the Triton op (sort,
         expert kernels and sum inside it), or sorted by expert in torch and two grouped GEMMs. Static shapes and
         no host sync, so it compiles and captures. A pair with id num_experts goes to no expert and adds 0: the
         Triton op and expert parallelism always allow it, the torch grouped GEMMs where `skip` is set (one more
-        sort bin and a select; without it the path is the one of a forward without route groups)."""
+        sort bin and a select; without it the path is the one of a forward without route groups). shared: the
+        shared expert inside the Triton op (forward decides: moe_triton.fuses_shared)."""
         if self.parallel is not None and self.parallel.experts is not None:
             return self._routed_here(x, ids, w)
-        if backend == "triton" or (backend == "auto" and moe_triton.supports(x, self.w_gate_up, self.w_down)
-                                   and moe_triton.auto_uses_triton(ids.numel(), self.cfg.num_experts)):
-            return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float())
+        if self._triton(x, ids, backend):
+            ws = (self.shared.gate_up.weight, self.shared.down.weight) if shared else (None, None)
+            return torch.ops.compiledllm.moe_routed(x, self.w_gate_up, self.w_down, ids, w.float(), *ws)
         T, k = ids.shape
         E = self.cfg.num_experts
         y = self._pairs(x, ids.flatten(), E + 1 if skip else E, k).view(T, k, -1)

@@ -16,13 +16,14 @@ def row_tile(tile_end_ptr, offs_ptr, E: tl.constexpr, E_P2: tl.constexpr, BM: tl
 
 
 @triton.jit
-def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, D: tl.constexpr, F: tl.constexpr,
+def gate_up_tile(x_ptr, we_ptr, act_ptr, tok, act_rows, live, D: tl.constexpr, F: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[act_rows] = silu(x[tok] @ Wg[e]^T) * (x[tok] @ Wu[e]^T) on this program's N tile, rows where live."""
+    """act[act_rows] = silu(x[tok] @ Wg^T) * (x[tok] @ Wu^T) on this program's N tile, rows where live; we_ptr: the
+    expert's [2F, D] weights (Wg then Wu)."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     xa = x_ptr + tok.to(tl.int64)[:, None] * D + rk[None, :]
-    wg = w_ptr + e.to(tl.int64) * (2 * F * D) + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg[e]^T
+    wg = we_ptr + n[None, :] * D + rk[:, None]  # [BK, BN] of Wg^T
     wu = wg + F * D
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -36,44 +37,65 @@ def gate_up_tile(x_ptr, w_ptr, act_ptr, tok, act_rows, live, e, D: tl.constexpr,
 
 
 @triton.jit
-def down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, act_rows, pair, live, e, D: tl.constexpr, F: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[pair] = w[pair] * (act[act_rows] @ Wd[e]^T) on this program's N tile, rows where live."""
+def down_tile(act_ptr, we_ptr, y_ptr, rw_ptr, act_rows, pair, live, D: tl.constexpr, F: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTED: tl.constexpr = True):
+    """y[pair] = w[pair] * (act[act_rows] @ Wd^T) on this program's N tile, rows where live (w = 1 unless
+    WEIGHTED); we_ptr: the expert's [D, F] weights."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     aa = act_ptr + act_rows.to(tl.int64)[:, None] * F + rk[None, :]
-    wd = w_ptr + e.to(tl.int64) * (D * F) + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd[e]^T
+    wd = we_ptr + n[None, :] * F + rk[:, None]  # [BK, BN] of Wd^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, F, BK):
         a = tl.load(aa + k0, mask=live[:, None], other=0.0)
         acc = tl.dot(a, tl.load(wd + k0), acc)
-    acc = acc * tl.load(rw_ptr + pair, mask=live, other=0.0)[:, None]
-    # y is [T * k, D] in pair order (token-major): combine_kernel reads a token's k rows as one span
+    if WEIGHTED:
+        acc = acc * tl.load(rw_ptr + pair, mask=live, other=0.0)[:, None]
+    # y is [T * k (+ T), D] in pair order (token-major), the shared expert's rows after: combine_kernel reads a
+    # token's k rows as one span
     tl.store(y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=live[:, None])
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, E: tl.constexpr,
-                   E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Sorted form: program (row tile, N tile); act in sorted slot order."""
+def shared_rows(j, T, TOPK: tl.constexpr, BM: tl.constexpr):
+    """The shared expert's row tile j: (tokens [BM], their rows of act / y: after the T * k pairs', live)."""
+    t = j * BM + tl.arange(0, BM)
+    return t, T * TOPK + t, t < T
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, T, ROUTED_TILES,
+                   E: tl.constexpr, E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr = False):
+    """Sorted form: program (row tile, N tile); act in sorted slot order. SHARED: the programs past ROUTED_TILES
+    run the shared expert (ws_ptr) on every token, T rows after the pairs' (their tokens' order)."""
+    if SHARED:
+        if tl.program_id(0) >= ROUTED_TILES:
+            t, rows, live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
+            gate_up_tile(x_ptr, ws_ptr, act_ptr, t, rows, live, D, F, BM, BN, BK)
+            return
     e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
     if e >= E:
         return
     tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
-    gate_up_tile(x_ptr, w_ptr, act_ptr, tok, rows, live, e, D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, w_ptr + e.to(tl.int64) * (2 * F * D), act_ptr, tok, rows, live, D, F, BM, BN, BK)
 
 
 @triton.jit
-def down_kernel(act_ptr, w_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, E: tl.constexpr,
-                E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+def down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, T, ROUTED_TILES,
+                E: tl.constexpr, E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr = False):
+    if SHARED:
+        if tl.program_id(0) >= ROUTED_TILES:
+            _, rows, live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
+            down_tile(act_ptr, ws_ptr, y_ptr, rw_ptr, rows, rows, live, D, F, BM, BN, BK, WEIGHTED=False)
+            return
     e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
     if e >= E:
         return
     pair = tl.load(order_ptr + rows, mask=live, other=0)
-    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, rows, pair, live, e, D, F, BM, BN, BK)
+    down_tile(act_ptr, w_ptr + e.to(tl.int64) * (D * F), y_ptr, rw_ptr, rows, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit
@@ -91,23 +113,35 @@ def scan_rows(ids_ptr, T, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
-def gate_up_scan_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, T, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
-                        TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Scan form (T <= BM tokens): program (expert, N tile); act in pair order; an unchosen expert returns."""
+def gate_up_scan_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, T, E, D: tl.constexpr, F: tl.constexpr,
+                        TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, SHARED: tl.constexpr = False):
+    """Scan form (T <= BM tokens): program (expert, N tile); act in pair order; an unchosen expert returns.
+    SHARED: program E runs the shared expert (ws_ptr) on every token (rows after the pairs', as the sorted form)."""
+    if SHARED:
+        if tl.program_id(0) == E:
+            t, rows, live = shared_rows(0, T, TOPK, BM)
+            gate_up_tile(x_ptr, ws_ptr, act_ptr, t, rows, live, D, F, BM, BN, BK)
+            return
     e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    gate_up_tile(x_ptr, w_ptr, act_ptr, t, pair, live, e, D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, w_ptr + e.to(tl.int64) * (2 * F * D), act_ptr, t, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit
-def down_scan_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, rw_ptr, T, D: tl.constexpr, F: tl.constexpr,
+def down_scan_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, rw_ptr, T, E, D: tl.constexpr, F: tl.constexpr,
                      TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, SHARED: tl.constexpr = False):
+    if SHARED:
+        if tl.program_id(0) == E:
+            _, rows, live = shared_rows(0, T, TOPK, BM)
+            down_tile(act_ptr, ws_ptr, y_ptr, rw_ptr, rows, rows, live, D, F, BM, BN, BK, WEIGHTED=False)
+            return
     e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    down_tile(act_ptr, w_ptr, y_ptr, rw_ptr, pair, pair, live, e, D, F, BM, BN, BK)
+    down_tile(act_ptr, w_ptr + e.to(tl.int64) * (D * F), y_ptr, rw_ptr, pair, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit
@@ -178,9 +212,9 @@ def sort_small_kernel(ids_ptr, order_ptr, offs_ptr, tile_end_ptr, P, E: tl.const
 
 @triton.jit
 def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, D: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
-                   BD: tl.constexpr):
-    """out[t] = sum over ranks 0..k-1 of y[t * k + rank] in float32, in that order, rounded once; a skipped pair
-    (id >= E: no expert wrote its row of y) adds 0."""
+                   BD: tl.constexpr, SHARED: tl.constexpr = False):
+    """out[t] = sum over ranks 0..k-1 of y[t * k + rank] (then, SHARED, the shared expert's y[T * k + t]) in
+    float32, in that order, rounded once; a skipped pair (id >= E: no expert wrote its row of y) adds 0."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     live = t < T
@@ -189,6 +223,9 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, T, E, D: tl.constexpr, TOPK: tl.cons
     for r in tl.static_range(TOPK):
         held = live & (tl.load(ids_ptr + t.to(tl.int64) * TOPK + r, mask=live, other=E) < E)
         acc += tl.load(rows + r * D, mask=held[:, None], other=0.0).to(tl.float32)
+    if SHARED:
+        shared = y_ptr + ((T * TOPK + t).to(tl.int64) * D)[:, None] + d[None, :]
+        acc += tl.load(shared, mask=live[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live[:, None])
 

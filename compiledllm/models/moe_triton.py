@@ -12,6 +12,8 @@ many row tiles that run in parallel and re-read its weights from L2. Three to si
   gate_up: act[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      (fp32 epilogue, bf16 out)
   down:    y[pair(p)] = w[pair(p)] * (act[p] @ Wd[e]^T)                     (pair = token * k + rank)
   combine: out[t] = y[t*k] + ... + y[t*k + k-1]                             (fp32, that order, rounded once)
+A shared expert of the experts' width (LLaDA2's) can ride along (FUSE_SHARED): its row tiles over every token in
+gate_up and down, its row added last in combine.
 Up to EXPERT_SCAN_TOKENS tokens (a decode row) there is no sort: a program per (expert, N tile) finds the pairs of
 its expert by reading all the ids (act then in pair order); the same sums in the same order, so a token's bits do
 not depend on the form. A pair whose id is >= E (a dead token's: MoE.route) is skipped: it is not counted or placed
@@ -211,17 +213,34 @@ def block_route_supported(x: torch.Tensor, experts: int) -> bool:
 
 @torch.library.custom_op("compiledllm::moe_routed", mutates_args=())
 def moe_routed(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
+               weights: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
+               shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D]; w_gate_up [E, 2F, D]; w_down [E, D, F]; ids [T, k] int64 expert ids; weights [T, k] float32
     routing weights (all contiguous). Returns the routed MoE output [T, D]: each token's k weighted expert
     outputs summed. A pair with an id >= E (a dead token's, MoE.route) is skipped: no expert kernel reads or
-    computes it and it adds 0 to its token's sum."""
-    return launch(x, w_gate_up, w_down, ids, weights)
+    computes it and it adds 0 to its token's sum. shared_gate_up [2F, D] / shared_down [D, F] (both or neither): a
+    shared expert of the routed experts' width, run on every token inside the same launches and added, weight 1,
+    after the k pairs in the token's float32 sum (FUSE_SHARED)."""
+    return launch(x, w_gate_up, w_down, ids, weights, shared=None if shared_gate_up is None else
+                  (shared_gate_up, shared_down))
 
 
 @moe_routed.register_fake
-def _(x, w_gate_up, w_down, ids, weights):
+def _(x, w_gate_up, w_down, ids, weights, shared_gate_up=None, shared_down=None):
     return torch.empty_like(x)
+
+
+# MoE.forward runs a shared expert of the routed experts' width (LLaDA2's: num_shared_experts 1) inside the routed
+# op: its row tiles in the gate_up and down launches, its output in combine's float32 sum, instead of its own four
+# kernels (gate_up GEMM, silu * up, down GEMM, add) per MoE layer. Off: the shared expert as its own GatedMLP.
+FUSE_SHARED = True
+
+
+def fuses_shared(shared, x: torch.Tensor, inner: int) -> bool:
+    """Whether the routed op can take `shared` (a GatedMLP or None) for input x: the routed experts' width and
+    dtype, contiguous, not sharded (tensor parallel)."""
+    return (FUSE_SHARED and shared is not None and shared.parallel is None and shared.inner == inner
+            and all(w.dtype == x.dtype and w.is_contiguous() for w in (shared.gate_up.weight, shared.down.weight)))
 
 
 # Up to this many tokens the experts take the scan form: no sort, one program per (expert, N tile) reads every
@@ -291,9 +310,9 @@ def scan_form(tokens: int, scan: bool | None = None) -> bool:
 
 
 def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | None = None,
-           scan: bool | None = None) -> torch.Tensor:
+           scan: bool | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The op's body; `tiles` overrides the default (gate_up, down) tiles, `scan` the form (None: the scan form up
-    to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps)."""
+    to EXPERT_SCAN_TOKENS tokens) (benchmark sweeps); `shared`: the shared expert's (gate_up [2F, D], down [D, F])."""
     T, D = x.shape
     scan = scan_form(T, scan)
     kern = _kernels()
@@ -301,30 +320,38 @@ def launch(x, w_gate_up, w_down, ids, weights, tiles: tuple[MoETile, MoETile] | 
     top_k = ids.shape[1]
     pairs = T * top_k
     t_up, t_down = tiles or (scan_tiles(D, F) if scan else default_tiles(pairs, E, D, F))
-    act = torch.empty(pairs, F, dtype=x.dtype, device=x.device)
+    ws_up, ws_down = shared or (w_gate_up, w_down)  # unread without a shared expert
+    rows = pairs + (T if shared else 0)  # the shared expert's rows of act and y after the pairs'
+    act = torch.empty(rows, F, dtype=x.dtype, device=x.device)
     # y in pair order [T * k, D] (not [k, T, D]): the down kernel stores at row `pair` as it is, and the
     # combine reads each token's k rows as one contiguous k * D span
-    y = torch.empty(pairs, D, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if scan:
         bm, k_p2 = max(16, 1 << (T - 1).bit_length()), 1 << (top_k - 1).bit_length()
-        kern.gate_up_scan_kernel[(E, F // t_up.block_n)](
-            x, w_gate_up, act, ids, T, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_up.block_n,
-            BK=t_up.block_k, num_warps=t_up.warps, num_stages=t_up.stages)
-        kern.down_scan_kernel[(E, D // t_down.block_n)](
-            act, w_down, y, ids, weights, T, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_down.block_n,
-            BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
+        kern.gate_up_scan_kernel[(E + bool(shared), F // t_up.block_n)](
+            x, w_gate_up, ws_up, act, ids, T, E, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm, BN=t_up.block_n,
+            BK=t_up.block_k, SHARED=bool(shared), num_warps=t_up.warps, num_stages=t_up.stages)
+        kern.down_scan_kernel[(E + bool(shared), D // t_down.block_n)](
+            act, w_down, ws_down, y, ids, weights, T, E, D=D, F=F, TOPK=top_k, TOPK_P2=k_p2, BM=bm,
+            BN=t_down.block_n, BK=t_down.block_k, SHARED=bool(shared), num_warps=t_down.warps,
+            num_stages=t_down.stages)
     else:
         order, offs, tile_end = sort_pairs(ids, E, (t_up.block_m, t_down.block_m))
         e_p2 = 1 << (E - 1).bit_length()
-        kern.gate_up_kernel[(max_row_tiles(pairs, E, t_up.block_m), F // t_up.block_n)](
-            x, w_gate_up, act, order, offs, tile_end[0], E=E, E_P2=e_p2, D=D, F=F, TOPK=top_k,
-            BM=t_up.block_m, BN=t_up.block_n, BK=t_up.block_k, num_warps=t_up.warps, num_stages=t_up.stages)
-        kern.down_kernel[(max_row_tiles(pairs, E, t_down.block_m), D // t_down.block_n)](
-            act, w_down, y, order, offs, tile_end[1], weights, E=E, E_P2=e_p2, D=D, F=F, BM=t_down.block_m,
-            BN=t_down.block_n, BK=t_down.block_k, num_warps=t_down.warps, num_stages=t_down.stages)
+        up_tiles, down_tiles = (max_row_tiles(pairs, E, t.block_m) for t in (t_up, t_down))
+        extra = [-(-T // t.block_m) if shared else 0 for t in (t_up, t_down)]  # the shared expert's row tiles
+        kern.gate_up_kernel[(up_tiles + extra[0], F // t_up.block_n)](
+            x, w_gate_up, ws_up, act, order, offs, tile_end[0], T, up_tiles, E=E, E_P2=e_p2, D=D, F=F, TOPK=top_k,
+            BM=t_up.block_m, BN=t_up.block_n, BK=t_up.block_k, SHARED=bool(shared), num_warps=t_up.warps,
+            num_stages=t_up.stages)
+        kern.down_kernel[(down_tiles + extra[1], D // t_down.block_n)](
+            act, w_down, ws_down, y, order, offs, tile_end[1], weights, T, down_tiles, E=E, E_P2=e_p2, D=D, F=F,
+            TOPK=top_k, BM=t_down.block_m, BN=t_down.block_n, BK=t_down.block_k, SHARED=bool(shared),
+            num_warps=t_down.warps, num_stages=t_down.stages)
     out = torch.empty_like(x)
     bd = _block(D, 256)  # [4, 256] tiles: one 16-byte bf16 load per thread and rank at 4 warps (H200: BT 4 best)
-    kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd)
+    kern.combine_kernel[(-(-T // 4), D // bd)](y, ids, out, T, E, D=D, TOPK=top_k, BT=4, BD=bd,
+                                               SHARED=bool(shared))
     return out
 
 

@@ -79,9 +79,26 @@ def routed() -> None:
             assert err <= 2e-3 * ref.abs().max().item(), (T, E, k, D, F_, routing, bms, err)
         # the two forms sum the same products in the same order (bitwise on the GPU; numpy may block by rows)
         assert (outs[0].double() - outs[-1].double()).abs().max().item() <= 1e-3 * ref.abs().max().item()
-    # the registered op and its fake agree (shapes, dtypes, strides) on the last case
-    torch.library.opcheck(torch.ops.compiledllm.moe_routed, (x, wgu, wd, ids, w),
-                          test_utils=("test_schema", "test_faketensor"))
+        # a shared expert of the same width inside the op (FUSE_SHARED): added to every token, weight 1, also a
+        # token whose pairs are all skipped (dead: its output is the shared expert's alone)
+        wsu, wsd = wgu[0] * 0.5 + 0.1 * wgu[-1], wd[0] * 0.5 - 0.1 * wd[-1]
+        sg, su = (x.double() @ wsu.double().t()).chunk(2, dim=-1)
+        sref = (F.silu(sg) * su).half().double() @ wsd.double().t()
+        skipped = ids.clone()
+        skipped[::4] = E
+        held = (skipped < E).double()
+        ref_s = torch.einsum("tkf,tkdf,tk->td", act, wd.double()[ids], w.double() * held) + sref
+        shared_outs = [moe_triton.launch(x, wgu, wd, skipped, w * held, tiles, scan=scan, shared=(wsu, wsd))
+                       for scan in (False, True)[: 1 + (T <= moe_triton.SCAN_MAX_TOKENS)]]
+        for out in shared_outs:
+            err = (out.double() - ref_s).abs().max().item()
+            assert err <= 2e-3 * ref_s.abs().max().item(), ("shared", T, E, k, D, F_, routing, bms, err)
+        assert (shared_outs[0].double() - shared_outs[-1].double()).abs().max().item() <= (
+            1e-3 * ref_s.abs().max().item())
+    # the registered op and its fake agree (shapes, dtypes, strides) on the last case, with and without the shared
+    # expert
+    for args in [(x, wgu, wd, ids, w), (x, wgu, wd, ids, w, wsu, wsd)]:
+        torch.library.opcheck(torch.ops.compiledllm.moe_routed, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def routing() -> None:

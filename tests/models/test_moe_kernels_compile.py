@@ -1,6 +1,7 @@
 """The routed experts' Triton kernels compile for an H100 / H200 (sm_90) on a machine without a GPU, at
 LLaDA2.0-mini's expert shape with the decode tiles: both forms (sorted pairs, and the scan form of decode rows at 16
-and 32 row tiles and at its largest, SCAN_MAX_TOKENS), each within the SM's shared memory.
+and 32 row tiles and at its largest, SCAN_MAX_TOKENS), with and without the shared expert inside, each within the
+SM's shared memory.
 (test_triton_interpreter.py compiles every launch of the interpreter checks the same way, but those are small
 shapes: the production tiles' shared memory is checked here.)"""
 from __future__ import annotations
@@ -27,28 +28,34 @@ def kernels():
     return moe_kernels
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with_shared"])
 @pytest.mark.parametrize("bm", sorted({16, 32, moe_triton.SCAN_MAX_TOKENS}))
-def test_scan_form_compiles_for_sm90(bm):
+def test_scan_form_compiles_for_sm90(bm, shared):
     k = kernels()
-    common = {"D": D, "F": F, "TOPK": K, "TOPK_P2": K, "BM": bm, **TILES}
-    up = compile_sm90(k.gate_up_scan_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16",
-                                              "ids_ptr": "*i64", "T": "i32"}, common)
-    down = compile_sm90(k.down_scan_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                             "ids_ptr": "*i64", "rw_ptr": "*fp32", "T": "i32"}, common)
+    common = {"D": D, "F": F, "TOPK": K, "TOPK_P2": K, "BM": bm, "SHARED": shared, **TILES}
+    up = compile_sm90(k.gate_up_scan_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16",
+                                              "act_ptr": "*bf16", "ids_ptr": "*i64", "T": "i32", "E": "i32"}, common)
+    down = compile_sm90(k.down_scan_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16",
+                                             "y_ptr": "*bf16", "ids_ptr": "*i64", "rw_ptr": "*fp32", "T": "i32",
+                                             "E": "i32"}, common)
     for kern in (up, down):
         assert 0 < kern.metadata.shared <= SM90_SHARED_BYTES
 
 
-def test_sorted_form_compiles_for_sm90():
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with_shared"])
+def test_sorted_form_compiles_for_sm90(shared):
     k = kernels()
     up_tile, down_tile = moe_triton.default_tiles(32 * K, E, D, F)
     ptrs = {"order_ptr": "*i32", "offs_ptr": "*i32", "tile_end_ptr": "*i32"}
-    up = compile_sm90(k.gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16", **ptrs},
+    sizes = {"T": "i32", "ROUTED_TILES": "i32"}
+    up = compile_sm90(k.gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "act_ptr": "*bf16",
+                                         **ptrs, **sizes},
                       {"E": E, "E_P2": E, "D": D, "F": F, "TOPK": K, "BM": up_tile.block_m, "BN": up_tile.block_n,
-                       "BK": up_tile.block_k}, up_tile.warps, up_tile.stages)
-    down = compile_sm90(k.down_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", **ptrs,
-                                        "rw_ptr": "*fp32"},
-                        {"E": E, "E_P2": E, "D": D, "F": F, "BM": down_tile.block_m, "BN": down_tile.block_n,
-                         "BK": down_tile.block_k}, down_tile.warps, down_tile.stages)
+                       "BK": up_tile.block_k, "SHARED": shared}, up_tile.warps, up_tile.stages)
+    down = compile_sm90(k.down_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "y_ptr": "*bf16",
+                                        **ptrs, "rw_ptr": "*fp32", **sizes},
+                        {"E": E, "E_P2": E, "D": D, "F": F, "TOPK": K, "BM": down_tile.block_m,
+                         "BN": down_tile.block_n, "BK": down_tile.block_k, "SHARED": shared},
+                        down_tile.warps, down_tile.stages)
     for kern in (up, down):
         assert 0 < kern.metadata.shared <= SM90_SHARED_BYTES

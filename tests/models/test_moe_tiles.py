@@ -1,6 +1,9 @@
 """The MoE size-dependent choices on the CPU: default_tiles' prefill branch and the "auto" grouped-GEMM threshold
-with its wiring in MoE._routed (the kernels at 128-row tiles: the "routed" interpreter check)."""
+with its wiring in MoE._routed, and where the shared expert rides in the routed op (the kernels at 128-row tiles and
+with the shared expert: the "routed" interpreter check)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,3 +100,43 @@ def test_scan_tiles_fit_an_sm90_at_the_most_tokens(dim, inner):
     up, down = moe_triton.scan_tiles(dim, inner)
     assert up.stages * (bm * up.block_k + 2 * up.block_k * up.block_n) * 2 <= 227 * 1024
     assert down.stages * (bm * down.block_k + down.block_k * down.block_n) * 2 <= 227 * 1024
+
+
+def _moe_with_shared(inner: int) -> MoE:
+    cfg = MoEConfig(num_experts=4, expert_dim=16, top_k=2, num_shared=1, n_group=1, topk_group=1,
+                    routed_scaling=1.0, norm_topk_prob=True)
+    moe = MoE(32, cfg)
+    if inner != 16:
+        from compiledllm.models.layers import GatedMLP
+        moe.shared = GatedMLP(32, inner)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_()
+    return moe
+
+
+@pytest.mark.parametrize("case", ["fused", "off", "wider", "sharded"])
+def test_shared_expert_rides_in_the_routed_op_where_it_can(monkeypatch, case):
+    """MoE.forward hands a shared expert of the experts' width to the Triton op (FUSE_SHARED), which adds it, and
+    then does not add it again; with the setting off, a wider shared expert (num_shared 2) or a tensor-parallel
+    one it adds the GatedMLP's output itself (the op and supports() faked: no CUDA here)."""
+    moe = _moe_with_shared(32 if case == "wider" else 16)
+    if case == "sharded":
+        moe.shared.parallel = SimpleNamespace(all_reduce=lambda t: t)  # a rank's share of the inner dim
+    monkeypatch.setattr(moe_triton, "FUSE_SHARED", case != "off")
+    monkeypatch.setattr(moe_triton, "supports", lambda *a: True)
+    calls = []
+
+    def fake_op(x, wgu, wd, ids, w, shared_gate_up=None, shared_down=None):
+        calls.append(shared_gate_up is not None)
+        if shared_gate_up is not None:
+            assert shared_gate_up is moe.shared.gate_up.weight and shared_down is moe.shared.down.weight
+        return torch.full_like(x, 7.0)
+
+    monkeypatch.setattr(torch.ops.compiledllm, "moe_routed", fake_op)
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        out = moe(x)
+        want = torch.full_like(x, 7.0) + (0 if case == "fused" else moe.shared(x))
+    assert calls == [case == "fused"]
+    assert torch.equal(out, want)

@@ -21,13 +21,13 @@ SHAPES = [(32, 256, 8, 2048, 512), pytest.param((1024, 256, 8, 2048, 512), marks
           (37, 8, 2, 48, 16), (300, 16, 4, 128, 64), (600, 16, 4, 128, 64)]
 
 
-def moe_layer(E, k, D, F, seed=0) -> MoE:
-    cfg = MoEConfig(num_experts=E, expert_dim=F, top_k=k, num_shared=0, n_group=1, topk_group=1,
+def moe_layer(E, k, D, F, seed=0, shared=0) -> MoE:
+    cfg = MoEConfig(num_experts=E, expert_dim=F, top_k=k, num_shared=shared, n_group=1, topk_group=1,
                     routed_scaling=1.0, norm_topk_prob=True, first_dense_layers=0)
     moe = MoE(D, cfg).cuda()
     g = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
-        for p in (moe.gate, moe.w_gate_up, moe.w_down):
+        for p in (moe.gate, moe.w_gate_up, moe.w_down, *(moe.shared.parameters() if shared else ())):
             p.copy_(torch.randn(p.shape, generator=g, device="cuda") * D ** -0.5)
     return moe.to(torch.bfloat16)
 
@@ -96,6 +96,36 @@ def test_scan_form_equals_sorted_form(routing):
             outs = [moe_triton.launch(x, moe.w_gate_up, moe.w_down, ids, w, scan=scan) for scan in (False, True)]
         assert torch.equal(outs[0], outs[1]), (routing, T)
         assert torch.isfinite(outs[1]).all()
+
+
+def test_shared_expert_inside_the_op(monkeypatch):
+    """LLaDA2.0-mini's layer with its shared expert inside the routed op (FUSE_SHARED, the default) against the
+    float64 reference of routed + shared, as close as the separate GatedMLP; a token's output bitwise the same alone
+    (scan form), in a 32-token row (scan) and among 256 (sorted form), dead tokens included."""
+    E, k, D, F = 256, 8, 2048, 512
+    moe = moe_layer(E, k, D, F, shared=1)
+    x = torch.randn(256, D, device="cuda", dtype=torch.bfloat16)
+    groups = torch.zeros(256, dtype=torch.long, device="cuda")
+    groups[::5] = -1  # dead tokens: no pairs, the shared expert still runs
+    with torch.no_grad():
+        assert moe_triton.FUSE_SHARED and moe_triton.fuses_shared(moe.shared, x, F)
+        full = moe(x, "auto", groups)
+        for n in (1, 32):
+            assert torch.equal(moe(x[:n], "auto", groups[:n]), full[:n]), n
+        ids, w = moe.route(x, "auto", groups[None])
+        gu = x.double() @ moe.shared.gate_up.weight.double().t()
+        gate, up = gu.chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).double()
+        live = ids < E
+        ref = reference(moe, x[:64], ids[:64].clamp(max=E - 1), (w * live)[:64]) + (
+            act @ moe.shared.down.weight.double().t())[:64]
+        monkeypatch.setattr(moe_triton, "FUSE_SHARED", False)
+        separate = moe(x, "auto", groups)
+    scale = ref.abs().max().item()
+    fused_err = (full[:64].double() - ref).abs().max().item()
+    separate_err = (separate[:64].double() - ref).abs().max().item()
+    assert fused_err <= 0.02 * scale and separate_err <= 0.02 * scale, (fused_err, separate_err, scale)
+    assert torch.isfinite(full).all()
 
 
 def test_prefill_tiles_keep_rows_bitwise():

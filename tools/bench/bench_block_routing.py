@@ -219,10 +219,12 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
 
 # The A/B of decode-row settings (--ab): the defaults against the forms they replaced on 2026-12-06 (the block
 # router's phase 1 by atomic max with admission by rank tiles and top-k by max picks; the scan form on
-# default_tiles' 128-wide decode tiles), each alone and both
+# default_tiles' 128-wide decode tiles; the shared expert as its own GatedMLP, which matters with --shared), each
+# alone and all of them
 AB = {"default": {}, "atomic_router": {"BLOCK_ROUTE_ROW_MAX": 0, "BLOCK_TOPK_SORT": False},
-      "wide_tiles": {"SCAN_TILE_SPECS": ((128, 128, 4, 3), (128, 128, 4, 3))}}
-AB["before"] = AB["atomic_router"] | AB["wide_tiles"]
+      "wide_tiles": {"SCAN_TILE_SPECS": ((128, 128, 4, 3), (128, 128, 4, 3))},
+      "shared_separate": {"FUSE_SHARED": False}}
+AB["before"] = AB["atomic_router"] | AB["wide_tiles"] | AB["shared_separate"]
 
 
 @torch.no_grad()
@@ -373,7 +375,7 @@ def run(args: argparse.Namespace, smoke: bool) -> None:
            "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python3", *sys.argv]), "ceilings": ceil,
            "block": BLOCK, "capacity": capacity,
            "forms": {k: getattr(moe_triton, k) for k in (*CANDIDATE, "BLOCK_TOPK_SORT", "BLOCK_ROUTE_ROW_MAX",
-                                                          "EXPERT_SCAN_TOKENS", "SCAN_TILE_SPECS")},
+                                                          "EXPERT_SCAN_TOKENS", "SCAN_TILE_SPECS", "FUSE_SHARED")},
            "shared_experts": args.shared,
            "shapes": {s.name: {"label": s.label, "dim": s.dim, **dataclasses.asdict(s.cfg)} for s in shapes},
            "op_checks": checks if not smoke else "skipped: no CUDA (the Triton router)", "records": records,
