@@ -182,6 +182,11 @@ def test_cuda_expert_path_takes_a_forward_with_dead_tokens():
     m._routed = tiny_fast.routed_with(tiny_fast.looped, m)
     got = m(x, "grouped_mm", groups)
     assert torch.allclose(got, want, atol=1e-5)
+    # where MoE.forward hands it the shared expert (the Triton op would take it on CUDA), the replacement adds it
+    flat = x.reshape(-1, x.shape[-1])
+    ids, w = m.route(flat, "grouped_mm", groups)
+    assert torch.allclose(m._routed(flat, ids, w, skip=True, shared=True),
+                          m._routed(flat, ids, w, skip=True) + m.shared(flat), atol=1e-6)
 
 
 def test_finetune_the_shipped_tiny_llada21_on_the_cpu(tmp_path, route_calls):

@@ -246,6 +246,11 @@ def attach_moe_training(model, log=print) -> list[MoE]:
 def routed_with(fn, m: MoE):
     """m._routed through fn. A forward with route groups sends a dead token's pairs to the id num_experts with
     weight 0 (MoE.assign), which fn's expert counts have no bin for: they go to the last expert instead, where
-    their weight 0 makes them add nothing (the dummy tokens' states are finite) and take no gradient."""
+    their weight 0 makes them add nothing (the dummy tokens' states are finite) and take no gradient. `shared`
+    (MoE.forward hands the shared expert to the routed op where the Triton op could take it): added here."""
     last = m.cfg.num_experts - 1
-    return lambda x, ids, w, backend="auto", skip=False: fn(m, x, ids.clamp(max=last) if skip else ids, w)
+
+    def routed(x, ids, w, backend="auto", skip=False, shared=False):
+        out = fn(m, x, ids.clamp(max=last) if skip else ids, w)
+        return out + m.shared(x) if shared else out
+    return routed
