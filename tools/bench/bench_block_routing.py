@@ -219,12 +219,12 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
 
 # The A/B of decode-row settings (--ab): the defaults against the forms they replaced on 2026-12-06 (the block
 # router's phase 1 by atomic max with admission by rank tiles and top-k by max picks; the scan form on
-# default_tiles' 128-wide decode tiles; the shared expert as its own GatedMLP, which matters with --shared), each
-# alone and all of them
+# default_tiles' 128-wide decode tiles), each alone and both; and the candidate: the shared expert inside the routed
+# op (moe_triton.FUSE_SHARED; with --shared)
 AB = {"default": {}, "atomic_router": {"BLOCK_ROUTE_ROW_MAX": 0, "BLOCK_TOPK_SORT": False},
       "wide_tiles": {"SCAN_TILE_SPECS": ((128, 128, 4, 3), (128, 128, 4, 3))},
-      "shared_separate": {"FUSE_SHARED": False}}
-AB["before"] = AB["atomic_router"] | AB["wide_tiles"] | AB["shared_separate"]
+      "shared_fused": {"FUSE_SHARED": True}}
+AB["before"] = AB["atomic_router"] | AB["wide_tiles"]
 
 
 @torch.no_grad()
