@@ -172,8 +172,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: route groups of shape {tuple(groups.shape)} for tokens {tuple(shape[:-1])}")
         rows = None if groups is None else groups.reshape(-1, shape[-2])  # [rows, Q]; x [T, D]: one row
         ids, w = self.route(x, backend, rows, index)
-        fuse = self.parallel is None and self._triton(x, ids, backend) and moe_triton.fuses_shared(
-            self.shared, x, self.cfg.expert_dim)
+        fuse = (moe_triton.fuses_shared(self.shared, x, self.cfg.expert_dim) and self.parallel is None
+                and self._triton(x, ids, backend))  # the setting first: off, nothing else is asked
         out = self._routed(x, ids, w, backend, skip=rows is not None, shared=fuse)
         if self.shared is not None and not fuse:
             out = out + self.shared(x)
