@@ -21,6 +21,10 @@ SDAR_8B = {
     "tie_word_embeddings": False, "mask_token_id": 151669, "eos_token_id": 151645,
 }
 
+# SDAR-4B-Chat: the Qwen3-4B layout (36 layers, hidden 2560, GQA 32 / 8, tied embeddings; ~4.0B parameters, 8 GB
+# in bf16), SDAR's block 4; JetEngine's published H200 figure is for this model (issue 31)
+SDAR_4B = {**SDAR_8B, "hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True}
+
 LLADA_8B = {
     "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 4096, "n_layers": 32, "n_heads": 32,
     "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464, "embedding_size": 126464,
@@ -39,5 +43,6 @@ TINY_LLADA2 = {
     "tie_word_embeddings": False, "mask_token_id": 1023, "eos_token_id": 1022,
 }
 
-PRESETS = {"llada2.0-mini": LLADA2_MINI, "llada2.1-mini": LLADA2_MINI, "llada2-mini-block48": LLADA2_MINI_BLOCK48, "sdar-8b": SDAR_8B, "llada-8b": LLADA_8B,
+PRESETS = {"llada2.0-mini": LLADA2_MINI, "llada2.1-mini": LLADA2_MINI, "llada2-mini-block48": LLADA2_MINI_BLOCK48,
+           "sdar-8b": SDAR_8B, "sdar-4b": SDAR_4B, "llada-8b": LLADA_8B,
            "tiny-random-llada2": TINY_LLADA2}

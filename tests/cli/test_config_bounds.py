@@ -126,7 +126,7 @@ def test_a_model_within_the_limits_must_fit_in_memory():
 
 
 def test_the_limits_admit_the_presets():
-    for preset in ("llada2.0-mini", "sdar-8b", "llada-8b"):
+    for preset in ("llada2.0-mini", "sdar-8b", "sdar-4b", "llada-8b"):
         from compiledllm.loader import parse_model_config
         from compiledllm.models.presets import PRESETS
 

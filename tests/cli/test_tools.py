@@ -30,6 +30,21 @@ def test_masked_share_of_the_fixed_schedule():
     # block 32 in 20 steps: steps 0-11 accept 2 tokens, steps 12-19 accept 1, so the masked rows at each step
     # are 32, 30, ..., 10 (sum 252) then 8, 7, ..., 1 (sum 36): 288 of 20 x 32 = 0.45 (the head's FLOPs share)
     assert masked_share() == pytest.approx(288 / 640)
+    assert masked_share(4, 4) == pytest.approx(10 / 16) and masked_share(4, 2) == pytest.approx(6 / 8)  # SDAR's block
+
+
+def test_sdar4b_step_costs_count_its_block_of_four():
+    """Issue 31's SDAR workload: ~8 GB of bf16 weights a step, 4 query tokens a row, not bench_decode's 32."""
+    from bench_decode import step_costs
+
+    from compiledllm.loader import parse_model_config
+    from compiledllm.models.presets import PRESETS
+
+    cfg = parse_model_config(PRESETS["sdar-4b"], "sdar-4b")
+    c4, c32 = step_costs(cfg, 128, 640, block=4, steps=4), step_costs(cfg, 128, 640)
+    assert 7.5e9 < c4["weight_bytes"] < 8.5e9 and c4["weight_bytes"] == c32["weight_bytes"]
+    assert c4["kv_bytes"] == 128 * 36 * 2 * 8 * 128 * 2 * (640 + 4)
+    assert 7 < c32["flops"] / c4["flops"] < 9  # ~8x the query tokens (the head's masked share differs a little)
 
 
 def test_merge_keeps_each_point_once_in_plan_order(tmp_path):

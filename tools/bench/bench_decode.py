@@ -41,21 +41,22 @@ from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 BLOCK, STEPS = 32, 20
 
 
-def masked_share() -> float:
-    """The mean share of a block's positions still masked at a step, over a block's STEPS steps under the fixed
+def masked_share(block: int = BLOCK, steps: int = STEPS) -> float:
+    """The mean share of a block's positions still masked at a step, over a block's `steps` steps under the fixed
     schedule (the head's rows: it computes only those)."""
-    left, total = BLOCK, 0
-    for step in range(STEPS):
+    left, total = block, 0
+    for step in range(steps):
         total += left
-        left -= BLOCK // STEPS + (step < BLOCK % STEPS)
-    return total / (STEPS * BLOCK)
+        left -= block // steps + (step < block % steps)
+    return total / (steps * block)
 
 
-def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None) -> dict:
+def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None, block: int = BLOCK,
+               steps: int = STEPS) -> dict:
     """Bytes read and FLOPs of one decode step (weights, KV, head), counted from the model shape, as a mean over a
     block's steps (head FLOPs for the still-masked rows). `touched`: the distinct routed experts each MoE layer
     really used; without it, the expectation under uniform routing."""
-    tokens = batch * BLOCK
+    tokens = batch * block
     d, L, H, KVH, hd, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
     attn = d * (H + 2 * KVH) * hd + H * hd * d
     dense = 3 * d * cfg.intermediate_size
@@ -70,8 +71,8 @@ def step_costs(cfg, batch: int, context: int, touched: list[int] | None = None) 
     else:
         read = active = L * (attn + dense)
     weight_bytes = 2 * (read + V * d)
-    kv_bytes = batch * L * 2 * KVH * hd * 2 * (context + BLOCK)
-    flops = 2 * tokens * (active + masked_share() * V * d) + 4 * batch * BLOCK * (context + BLOCK) * H * hd * L
+    kv_bytes = batch * L * 2 * KVH * hd * 2 * (context + block)
+    flops = 2 * tokens * (active + masked_share(block, steps) * V * d) + 4 * tokens * (context + block) * H * hd * L
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "flops": flops}
 
 

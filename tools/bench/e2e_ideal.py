@@ -36,11 +36,12 @@ def context_key(prompt: int) -> int:
     return next((c for c in (4096, 16384, 32768) if prompt <= c), prompt)
 
 
-def point_row(model: str, p: dict, ceil: dict, kernels: dict) -> dict:
+def point_row(model: str, p: dict, ceil: dict, kernels: dict, block: int = 32, steps: int = 20) -> dict:
     cfg = parse_model_config(PRESETS[model], f"preset {model}")
     prefill_ideal = prefill_flops(cfg, p["prompt_len"], p["requests"]) / ceil["bf16_flops_per_s"]
     context = p["prompt_len"] + p["output_len"] // 2
-    roof, _ = roofline_ms(step_costs(cfg, p["batch"], context, p.get("touched_experts") or None), ceil)
+    costs = step_costs(cfg, p["batch"], context, p.get("touched_experts") or None, block, steps)
+    roof, _ = roofline_ms(costs, ceil)
     ideal = prefill_ideal + p["decode_steps"] * roof / 1e3
     return {"model": model, "prompt": p["prompt_len"], "out": p["output_len"], "batch": p["batch"],
             "kernel_step_ms": kernels.get((model, p["batch"], context_key(p["prompt_len"]))),
@@ -78,7 +79,8 @@ def main(argv=None) -> list[dict]:
     for path in args.bench:
         report = json.loads(path.read_text())
         model = report["model"].removeprefix("random:")
-        rows += [point_row(model, p, ceil, kernels) for p in report["points"] if "error" not in p]
+        block, steps = report.get("block", 32), report.get("policy", {}).get("steps") or 20  # the fixed schedule
+        rows += [point_row(model, p, ceil, kernels, block, steps) for p in report["points"] if "error" not in p]
     print(markdown(rows))
     if args.out is not None:
         args.out.write_text(json.dumps({"ceilings": ceil, "rows": rows}, indent=2) + "\n")
