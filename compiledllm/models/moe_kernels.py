@@ -37,10 +37,10 @@ def gate_up_tile(x_ptr, we_ptr, act_ptr, tok, act_rows, live, D: tl.constexpr, F
 
 
 @triton.jit
-def down_tile(act_ptr, we_ptr, y_ptr, rw_ptr, act_rows, pair, live, D: tl.constexpr, F: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WEIGHTED: tl.constexpr = True):
-    """y[pair] = w[pair] * (act[act_rows] @ Wd^T) on this program's N tile, rows where live (w = 1 unless
-    WEIGHTED); we_ptr: the expert's [D, F] weights."""
+def down_tile(act_ptr, we_ptr, y_ptr, scale, act_rows, out_rows, live, D: tl.constexpr, F: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[out_rows] = scale * (act[act_rows] @ Wd^T) on this program's N tile, rows where live (scale [BM] float32:
+    the pairs' routing weights, 1 for the shared expert); we_ptr: the expert's [D, F] weights."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     aa = act_ptr + act_rows.to(tl.int64)[:, None] * F + rk[None, :]
@@ -49,11 +49,10 @@ def down_tile(act_ptr, we_ptr, y_ptr, rw_ptr, act_rows, pair, live, D: tl.conste
     for k0 in range(0, F, BK):
         a = tl.load(aa + k0, mask=live[:, None], other=0.0)
         acc = tl.dot(a, tl.load(wd + k0), acc)
-    if WEIGHTED:
-        acc = acc * tl.load(rw_ptr + pair, mask=live, other=0.0)[:, None]
+    acc = acc * scale[:, None]
     # y is [T * k (+ T), D] in pair order (token-major), the shared expert's rows after: combine_kernel reads a
     # token's k rows as one span
-    tl.store(y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + out_rows.to(tl.int64)[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=live[:, None])
 
 
@@ -64,38 +63,45 @@ def shared_rows(j, T, TOPK: tl.constexpr, BM: tl.constexpr):
     return t, T * TOPK + t, t < T
 
 
+# SHARED (the shared expert inside the op): its programs pick their rows and weights by tl.where and reach the same
+# one call of the tile as the experts' programs. A second call site would be a second software-pipelined loop with
+# its own shared-memory buffers: twice the bytes, over the SM's 227 KB at the sorted form's decode tiles (H100,
+# 2026-12-06: 278,528 bytes asked for).
 @triton.jit
 def gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, order_ptr, offs_ptr, tile_end_ptr, T, ROUTED_TILES,
                    E: tl.constexpr, E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr = False):
     """Sorted form: program (row tile, N tile); act in sorted slot order. SHARED: the programs past ROUTED_TILES
     run the shared expert (ws_ptr) on every token, T rows after the pairs' (their tokens' order)."""
-    if SHARED:
-        if tl.program_id(0) >= ROUTED_TILES:
-            t, rows, live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
-            gate_up_tile(x_ptr, ws_ptr, act_ptr, t, rows, live, D, F, BM, BN, BK)
-            return
     e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
+    we = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * (2 * F * D)
+    if SHARED:
+        mine = tl.program_id(0) >= ROUTED_TILES
+        s_tok, s_rows, s_live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
+        tok, rows = tl.where(mine, s_tok, tok), tl.where(mine, s_rows, rows)
+        live, we, e = tl.where(mine, s_live, live), tl.where(mine, ws_ptr, we), tl.where(mine, 0, e)
     if e >= E:
         return
-    tok = tl.load(order_ptr + rows, mask=live, other=0) // TOPK
-    gate_up_tile(x_ptr, w_ptr + e.to(tl.int64) * (2 * F * D), act_ptr, tok, rows, live, D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, we, act_ptr, tok, rows, live, D, F, BM, BN, BK)
 
 
 @triton.jit
 def down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, offs_ptr, tile_end_ptr, rw_ptr, T, ROUTED_TILES,
                 E: tl.constexpr, E_P2: tl.constexpr, D: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr = False):
-    if SHARED:
-        if tl.program_id(0) >= ROUTED_TILES:
-            _, rows, live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
-            down_tile(act_ptr, ws_ptr, y_ptr, rw_ptr, rows, rows, live, D, F, BM, BN, BK, WEIGHTED=False)
-            return
     e, rows, live = row_tile(tile_end_ptr, offs_ptr, E, E_P2, BM)
+    pair = tl.load(order_ptr + rows, mask=live, other=0)
+    scale = tl.load(rw_ptr + pair, mask=live, other=0.0)
+    we = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * (D * F)
+    if SHARED:
+        mine = tl.program_id(0) >= ROUTED_TILES
+        _, s_rows, s_live = shared_rows(tl.program_id(0) - ROUTED_TILES, T, TOPK, BM)
+        rows, pair, live = tl.where(mine, s_rows, rows), tl.where(mine, s_rows, pair), tl.where(mine, s_live, live)
+        scale, we, e = tl.where(mine, 1.0, scale), tl.where(mine, ws_ptr, we), tl.where(mine, 0, e)
     if e >= E:
         return
-    pair = tl.load(order_ptr + rows, mask=live, other=0)
-    down_tile(act_ptr, w_ptr + e.to(tl.int64) * (D * F), y_ptr, rw_ptr, rows, pair, live, D, F, BM, BN, BK)
+    down_tile(act_ptr, we, y_ptr, scale, rows, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit
@@ -118,30 +124,32 @@ def gate_up_scan_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, T, E, D: tl.cons
                         BK: tl.constexpr, SHARED: tl.constexpr = False):
     """Scan form (T <= BM tokens): program (expert, N tile); act in pair order; an unchosen expert returns.
     SHARED: program E runs the shared expert (ws_ptr) on every token (rows after the pairs', as the sorted form)."""
-    if SHARED:
-        if tl.program_id(0) == E:
-            t, rows, live = shared_rows(0, T, TOPK, BM)
-            gate_up_tile(x_ptr, ws_ptr, act_ptr, t, rows, live, D, F, BM, BN, BK)
-            return
     e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
+    we = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * (2 * F * D)
+    if SHARED:
+        mine = e == E
+        _, s_rows, s_live = shared_rows(0, T, TOPK, BM)  # its tokens are t, as scan_rows's
+        pair, live, we = tl.where(mine, s_rows, pair), tl.where(mine, s_live, live), tl.where(mine, ws_ptr, we)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    gate_up_tile(x_ptr, w_ptr + e.to(tl.int64) * (2 * F * D), act_ptr, t, pair, live, D, F, BM, BN, BK)
+    gate_up_tile(x_ptr, we, act_ptr, t, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit
 def down_scan_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, ids_ptr, rw_ptr, T, E, D: tl.constexpr, F: tl.constexpr,
                      TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, SHARED: tl.constexpr = False):
-    if SHARED:
-        if tl.program_id(0) == E:
-            _, rows, live = shared_rows(0, T, TOPK, BM)
-            down_tile(act_ptr, ws_ptr, y_ptr, rw_ptr, rows, rows, live, D, F, BM, BN, BK, WEIGHTED=False)
-            return
     e, t, pair, live = scan_rows(ids_ptr, T, TOPK, TOPK_P2, BM)
+    scale = tl.load(rw_ptr + pair, mask=live, other=0.0)
+    we = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * (D * F)
+    if SHARED:
+        mine = e == E
+        _, s_rows, s_live = shared_rows(0, T, TOPK, BM)
+        pair, live, we = tl.where(mine, s_rows, pair), tl.where(mine, s_live, live), tl.where(mine, ws_ptr, we)
+        scale = tl.where(mine, 1.0, scale)
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
-    down_tile(act_ptr, w_ptr + e.to(tl.int64) * (D * F), y_ptr, rw_ptr, pair, pair, live, D, F, BM, BN, BK)
+    down_tile(act_ptr, we, y_ptr, scale, pair, pair, live, D, F, BM, BN, BK)
 
 
 @triton.jit

@@ -59,3 +59,36 @@ def test_sorted_form_compiles_for_sm90(shared):
                         down_tile.warps, down_tile.stages)
     for kern in (up, down):
         assert 0 < kern.metadata.shared <= SM90_SHARED_BYTES
+
+
+def test_the_shared_expert_adds_no_second_pipelined_loop():
+    """With SHARED each expert kernel still has one K loop and its pipeline buffers once: the shared expert's programs
+    pick rows and weights and reach the same tile call. Two call sites compiled to two loops with their own shared
+    memory, which on the device's Triton asked for 278,528 bytes at the sorted form's 256-token tiles (H100,
+    2026-12-06; the limit is 232,448), while this machine's Triton reports a size that does not show it."""
+    k = kernels()
+    up_tile, down_tile = moe_triton.default_tiles(256 * K, E, D, F)
+    sorted_ptrs = {"order_ptr": "*i32", "offs_ptr": "*i32", "tile_end_ptr": "*i32", "T": "i32", "ROUTED_TILES": "i32"}
+    cases = [
+        (k.gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "act_ptr": "*bf16", **sorted_ptrs},
+         {"E": E, "E_P2": E, "TOPK": K}, up_tile),
+        (k.down_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "y_ptr": "*bf16", **sorted_ptrs,
+                         "rw_ptr": "*fp32"}, {"E": E, "E_P2": E, "TOPK": K}, down_tile),
+        (k.gate_up_scan_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "act_ptr": "*bf16",
+                                 "ids_ptr": "*i64", "T": "i32", "E": "i32"}, {"TOPK": K, "TOPK_P2": K}, None),
+        (k.down_scan_kernel, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "y_ptr": "*bf16",
+                              "ids_ptr": "*i64", "rw_ptr": "*fp32", "T": "i32", "E": "i32"},
+         {"TOPK": K, "TOPK_P2": K}, None),
+    ]
+    for fn, signature, extra, tile in cases:
+        counts = []
+        for shared in (False, True):
+            if tile is None:  # the scan form at its largest rows and the decode N / K tiles
+                consts, warps, stages = {"BM": moe_triton.SCAN_MAX_TOKENS, **TILES}, 4, 3
+            else:
+                consts = {"BM": tile.block_m, "BN": tile.block_n, "BK": tile.block_k}
+                warps, stages = tile.warps, tile.stages
+            ir = compile_sm90(fn, signature, {"D": D, "F": F, "SHARED": shared, **extra, **consts}, warps,
+                              stages).asm["ttgir"]
+            counts.append((ir.count("scf.for"), ir.count("local_alloc")))
+        assert counts[0] == counts[1] and counts[0][0] == 1, (fn.__name__, counts)
