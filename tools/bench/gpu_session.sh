@@ -20,7 +20,7 @@
 # startup (issue 31 item 3: `compile: auto` start-up with an empty Inductor cache, again warm, then compile=false),
 # targets (issue 31's targets as a user meets them: `compile: auto`, the default, beside compile=false, with the
 # ceilings of the same call: LLaDA2.0-mini batch 1 at 4K, 8 steps a block, separate and fused commit; the SDAR-4B
-# workload of recipes/bench_sdar4b.yaml at 1 and 2 tokens a forward; tools/bench/e2e_ideal.py on them),
+# workload of recipes/bench_sdar4b.yaml at 1 token a forward (fused commit), 0.8 (separate) and 1.6; e2e_ideal.py),
 # commit (issue 31 item 1: threshold's commit fused against separate, compiledllm bench of LLaDA2.0-mini at 4K),
 # herald (issue 27: mage / herald GPU tests, then compiledllm bench of LLaDA2.0-mini at 16K / 32K: threshold, mage and
 # herald's forms at budget 5 %, same call; prompts of 16,000 / 32,000 so that 256 new tokens fit the preset's 32K
@@ -248,10 +248,11 @@ if has targets; then  # issue 31's targets, the default (compile: auto) beside c
       --set compile=${run%:*} --set policy.commit=${run#*:} --set policy.steps=8 --prompt-len 4096 --output-len 256 \
       --batch 1 --out "$OUT/target_mini_b1_${run/:/_}.json" 2>&1 | grep --line-buffered -v -i warn | tail -3
   done
-  for run in auto:4 auto:2 false:4; do
-    timeout -k 20 ${TARGETS_TIMEOUT:-150} python3 -m compiledllm bench recipes/bench_sdar4b.yaml --set compile=${run%:*} \
-      --set policy.steps=${run#*:} --prompt-len 128 --output-len 1024 --batch 128 \
-      --out "$OUT/target_sdar4b_${run/:/_steps}.json" 2>&1 | grep --line-buffered -v -i warn | tail -3
+  for run in auto:4:fused auto:4:separate auto:2:separate false:4:separate; do  # compile:steps:commit
+    IFS=: read -r c n m <<< "$run"
+    timeout -k 20 ${TARGETS_TIMEOUT:-150} python3 -m compiledllm bench recipes/bench_sdar4b.yaml --set compile=$c \
+      --set policy.steps=$n --set policy.commit=$m --prompt-len 128 --output-len 1024 --batch 128 \
+      --out "$OUT/target_sdar4b_${c}_steps${n}_$m.json" 2>&1 | grep --line-buffered -v -i warn | tail -3
   done
   python3 tools/bench/e2e_ideal.py --ceilings "$OUT/ceilings.json" --out "$OUT/target_ideal.json" "$OUT"/target_*_*.json
 fi
