@@ -219,11 +219,11 @@ def sweep(standard: MoE, moe: BlockRoutedMoE, x: torch.Tensor, groups: torch.Ten
 
 # The A/B of decode-row settings (--ab): the defaults against the forms they replaced on 2026-12-06 (the block
 # router's phase 1 by atomic max with admission by rank tiles and top-k by max picks; the scan form on
-# default_tiles' 128-wide decode tiles), each alone and both; and the candidate: the shared expert inside the routed
-# op (moe_triton.FUSE_SHARED; with --shared)
+# default_tiles' 128-wide decode tiles), each alone and both; and, with --shared, the shared expert as its own MLP
+# (moe_triton.FUSE_SHARED off; the default since 2026-12-06 runs it inside the routed op)
 AB = {"default": {}, "atomic_router": {"BLOCK_ROUTE_ROW_MAX": 0, "BLOCK_TOPK_SORT": False},
       "wide_tiles": {"SCAN_TILE_SPECS": ((128, 128, 4, 3), (128, 128, 4, 3))},
-      "shared_fused": {"FUSE_SHARED": True}}
+      "shared_separate": {"FUSE_SHARED": False}}
 AB["before"] = AB["atomic_router"] | AB["wide_tiles"]
 
 

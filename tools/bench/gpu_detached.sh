@@ -18,7 +18,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$RES" "$OUT"
 if [ "${START:-0}" = 1 ]; then
   rm -f "$RES/DONE"
-  if ! python3 -c "import pydantic" 2>/dev/null; then  # once, before stages that may run at once
+  # once, before stages that may run at once; every package the server tests import (the device has pydantic only)
+  if ! python3 -c "import pydantic, fastapi, uvicorn, httpx, openai" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
   setsid bash -c "n=0; for s in \$STAGES; do n=\$((n+1)); echo \"== stage \$s \$(date +%T)\"; m=0; for part in \${s//+/ }; do m=\$((m+1)); \
