@@ -264,3 +264,30 @@ def test_shipped_task_files(name, tok):
                 assert r["prompt"][a:b].endswith("\n")
     tasks = load_tasks(path, TextTokenizer(tok, {}), limit=2)
     assert len(tasks) == 2 and tasks[0].reference_ids == enc(tok, recs[0]["reference"])
+
+
+def test_continuation_tasks_cut_held_out_text_at_a_token_boundary(tmp_path):
+    """tools/train/continuation_tasks.py: prompt + reference are the source task's text under the checkpoint's
+    tokenizer, the reference its last `tokens` tokens, the prompt at most max_prompt tokens before them; too-short
+    texts are left out; the shipped file is what the
+    tool writes from code_long.jsonl for tiny-llada2.1, and the tool never overwrites."""
+    import continuation_tasks as C
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "compiledllm/assets/tiny-llada2.1/tokenizer.json"))
+    source = [json.loads(ln) for ln in (TASKS / "code_long.jsonl").read_text().splitlines()]
+    tasks = C.continuation_tasks(source[:6], tok, 64, 4, 1024, 512)
+    assert len(tasks) == 4
+    for t in tasks:
+        src = next(s for s in source if s["id"] == t["meta"]["from"])
+        assert t["prompt_ids"] + t["reference_ids"] == enc(tok, src["prompt"] + src["reference"])[-576:]
+        assert len(t["reference_ids"]) == 64 and len(t["prompt_ids"]) == 512
+    assert C.continuation_tasks(source[:6], tok, 64, 4, 10 ** 6, 512) == []
+    shipped = [json.loads(ln) for ln in (TASKS / "code_continue_256.jsonl").read_text().splitlines()]
+    assert shipped == C.continuation_tasks(source, tok, 256, 32, 768, 768)
+    out = tmp_path / "t.jsonl"
+    out.write_text("keep")
+    with pytest.raises(SystemExit, match="exists"):
+        C.main(["--checkpoint", str(ROOT / "compiledllm/assets/tiny-llada2.1"), "--source",
+                str(TASKS / "code_long.jsonl"), "--out", str(out)])
+    assert out.read_text() == "keep"

@@ -1,14 +1,18 @@
 """FlowBlock's speed on the GPU (issue 16), two parts in one process, every baseline in the same run.
 
-(a) end to end, as `compiledllm run` decodes: the shipped tiny-llada2 (the yardstick until better ones exist) on
-    the code_short task prompts, max_new_tokens 64, CUDA graphs, batch 1 / 4 / 8 / 16 / 32: tokens/s (prefill
-    included, start-up excluded), forwards and tokens per forward of `t2t`, `flowblock` and `flowblock_sync`.
+(a) end to end, as `compiledllm run` decodes: a shipped tiny model on a task file's prompts (default: tiny-llada2
+    on code_short, max_new_tokens 64, issue 16's run; issue 31 item 7: --model tiny-llada2.1 --tasks
+    code_continue_256 --new-tokens 256 --ignore-eos, every request decoding all 256), CUDA graphs, batch 1 / 4 / 8 /
+    16 / 32: tokens/s (prefill included, start-up excluded), forwards and tokens per forward of `t2t`, `flowblock` and
+    `flowblock_sync` (the lock-step form: HWP against lock-step is flowblock against flowblock_sync).
 (b) the per-forward cost of a W x block window against a block window on the LLaDA2.1-mini shape (random weights:
     a random router, not a trained balanced one), batch 1-32, short context: one captured step of `flowblock`
     (ungated, so every window slot is live) vs one of `t2t`; with the tokens per forward of (a) this gives a
     projected tokens/s, labelled as a projection (a trained LLaDA2.1's TPF differs from the tiny model's).
 
     python tools/bench/bench_flowblock.py --out docs/results/bench_flowblock_h200.json
+    python tools/bench/bench_flowblock.py --model tiny-llada2.1 --tasks code_continue_256 --new-tokens 256 \
+        --ignore-eos --batches 1,16 --window 2 --out ...
 """
 from __future__ import annotations
 
@@ -29,23 +33,28 @@ from compiledllm.policies.t2t import T2TConfig, T2TPolicy
 from compiledllm.recipe import load_recipe
 from compiledllm.runner import execute
 
-TASKS = Path(__file__).resolve().parents[2] / "compiledllm/assets/tasks/code_short.jsonl"
+TASKS = Path(__file__).resolve().parents[2] / "compiledllm/assets/tasks"
 T2T = {"threshold": 0.7, "edit_threshold": 0.5, "max_post_steps": 16, "block_size": 32}
-POLICIES = {"t2t": {"name": "t2t", **T2T},
-            "flowblock W2 s0.6": {"name": "flowblock", "window": 2, "spawn": 0.6, **T2T},
-            "flowblock_sync W2 s0.6": {"name": "flowblock_sync", "window": 2, "spawn": 0.6, **T2T},
-            "flowblock W2 s0.0": {"name": "flowblock", "window": 2, "spawn": 0.0, **T2T},
-            "flowblock_sync W2 s0.0": {"name": "flowblock_sync", "window": 2, "spawn": 0.0, **T2T}}
 
 
-def end_to_end(batches: list[int], dtype: str, device: str) -> list[dict]:
-    prompts = [{"ids": json.loads(line)["prompt_ids"]} for line in TASKS.read_text().splitlines() if line.strip()]
+def policies(window: int) -> dict[str, dict]:
+    """t2t, and FlowBlock's two forms (HWP, lock-step) at the default gate and ungated."""
+    return {"t2t": {"name": "t2t", **T2T}} | {
+        f"{name} W{window} s{spawn}": {"name": name, "window": window, "spawn": spawn, **T2T}
+        for spawn in (0.6, 0.0) for name in ("flowblock", "flowblock_sync")}
+
+
+def end_to_end(batches: list[int], dtype: str, device: str, model: str, tasks: str, new_tokens: int,
+               ignore_eos: bool, window: int, limit: int | None = None) -> list[dict]:
+    path = TASKS / f"{tasks}.jsonl"
+    prompts = [{"ids": json.loads(line)["prompt_ids"]} for line in path.read_text().splitlines() if line.strip()]
+    prompts = prompts[:limit]
     out = []
     for batch in batches:
-        for label, pol in POLICIES.items():
-            recipe = load_recipe({"model": {"path": "tiny-llada2", "device": device, "dtype": dtype}, "policy": pol,
-                                  "generation": {"max_new_tokens": 64}, "prompts": prompts, "batch_size": batch,
-                                  "output": None})
+        for label, pol in policies(window).items():
+            recipe = load_recipe({"model": {"path": model, "device": device, "dtype": dtype}, "policy": pol,
+                                  "generation": {"max_new_tokens": new_tokens, "ignore_eos": ignore_eos},
+                                  "prompts": prompts, "batch_size": batch, "output": None})
             results, s = execute(recipe)
             rec = {"batch": batch, "policy": label, "tokens": s.tokens, "forwards": s.forwards,
                    "tokens_per_forward": s.tokens_per_forward, "wall_s": s.wall_s, "tokens_per_s": s.tokens_per_s,
@@ -86,6 +95,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="tiny model dtype in (a) (float32: as its quality figures)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--model", default="tiny-llada2", help="(a): a built-in model")
+    ap.add_argument("--tasks", default="code_short", help="(a): a task file of compiledllm/assets/tasks")
+    ap.add_argument("--new-tokens", type=int, default=64, help="(a): max_new_tokens")
+    ap.add_argument("--ignore-eos", action="store_true", help="(a): every request decodes all --new-tokens")
+    ap.add_argument("--prompts", type=int, default=None, help="(a): the first N of the task file (default: all)")
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--device", default="cuda", help="(a) only: cpu runs it without a GPU (a check of the tool)")
     ap.add_argument("--out", default="docs/results/bench_flowblock.json")
@@ -93,9 +107,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
     report = {"device": torch.cuda.get_device_name() if cuda else args.device, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings() if cuda else None}
+              "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings() if cuda else None,
+              "model": args.model, "tasks": args.tasks, "new_tokens": args.new_tokens,
+              "ignore_eos": args.ignore_eos}
     if "a" in args.parts:
-        report["end_to_end"] = end_to_end(batches, args.dtype, args.device)
+        report["end_to_end"] = end_to_end(batches, args.dtype, args.device, args.model, args.tasks, args.new_tokens,
+                                          args.ignore_eos, args.window, args.prompts)
         Path(args.out).write_text(json.dumps(report, indent=1))
     if "b" in args.parts:
         report["forward_cost"] = forward_cost(batches, args.context, args.window)
