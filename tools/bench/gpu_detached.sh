@@ -28,9 +28,15 @@ if [ "${START:-0}" = 1 ]; then
     bash tools/bench/gpu_session.sh & done; wait; \
     done > $RES/session.log 2>&1; date +%T > $RES/DONE" < /dev/null &
 fi
-t0=$(date +%s)
-while [ ! -f "$RES/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-540}" ]; do sleep 5; done
-tar -czf "$OUT/results.tgz" --exclude=./pkg -C "$RES" .
+# what is done so far is packed every PACK_EVERY seconds too: a call stopped at the device's time limit (rc 124, when
+# WAIT is more than the device time left) still brings back $OUT as it was (the eighteenth session lost a call so)
+pack() { tar -czf "$OUT/results.tgz.part" --exclude=./pkg -C "$RES" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
+t0=$(date +%s); last=$t0
+while [ ! -f "$RES/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-540}" ]; do
+  sleep 5
+  [ $(($(date +%s) - last)) -ge "${PACK_EVERY:-60}" ] && { pack; last=$(date +%s); }
+done
+pack
 [ -d "$RES/pkg" ] && cp "$RES"/pkg/* "$OUT"/
 [ -f "$RES/DONE" ] && echo "all stages done at $(cat "$RES/DONE")" || echo "still running"
 grep -v -i warn "$RES/session.log" | tail -n ${TAIL:-60}
