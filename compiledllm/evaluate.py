@@ -425,8 +425,10 @@ def write_chart(report: dict, path: Path) -> Path | None:
 
 def chart_writer(report: dict) -> Callable[[Path], None] | None:
     """What writes the chart as a PNG at the path it is given: bars of each policy's exact match (left axis) beside
-    its tokens per forward (right axis), values on the bars, one panel per task file. None when matplotlib is
-    missing or no policy finished."""
+    its tokens per forward (right axis), values on the bars, and each policy's agreement with the reference policy
+    as a marker on the left axis (where the references are out of the model's reach, exact match is 0 everywhere
+    and agreement is what tells the policies apart); one panel per task file. None when matplotlib is missing or no
+    policy finished."""
     files = {name: f for name, f in report["files"].items() if f["policies"]}
     if not files:
         return None
@@ -453,6 +455,12 @@ def _draw_chart(plt, model: str, device: str, files: dict, path: Path) -> None:
             ax.set_ylim(0, 1.3)  # headroom: the legend sits above the bars
             ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
             ax.set_ylabel("exact match", color="#4477aa")
+            handles = [em]
+            if all("agreement" in f["policies"][lb] for lb in labels):
+                handles += ax.plot([i - 0.2 for i in x], [f["policies"][lb]["agreement"] for lb in labels], "D",
+                                   color="black", markersize=5,
+                                   label=f"agreement with {f.get('reference', 'the reference')}")
+                ax.set_ylabel("exact match, agreement", color="#4477aa")
             right = ax.twinx()
             tpf = [f["policies"][lb]["tokens_per_forward"] for lb in labels]
             bars = right.bar([i + 0.2 for i in x], tpf, 0.4, color="#cc6677", label="tokens per forward")
@@ -462,7 +470,7 @@ def _draw_chart(plt, model: str, device: str, files: dict, path: Path) -> None:
             tilt = max(map(len, labels)) > 12  # long labels slant so that they do not overlap
             ax.set_xticks(list(x), labels, rotation=20 if tilt else 0, ha="right" if tilt else "center", fontsize=8)
             ax.set_title(f"{name} · {f['tasks']} tasks · {f['max_new_tokens']} new tokens", fontsize=9)
-            ax.legend(handles=[em, bars], loc="upper left", fontsize=7, frameon=False)
+            ax.legend(handles=handles + [bars], loc="upper left", fontsize=7, frameon=False)
         fig.suptitle(f"{model} on {device}: quality vs tokens per forward", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=120, format="png")  # the path is a temporary: no suffix to go by

@@ -221,6 +221,32 @@ def test_eval_progress_legend_and_80_columns(tmp_path, monkeypatch):
     assert matplotlib.image.imread(tmp_path / "report.png").shape[2] in (3, 4)  # decodes as an image
 
 
+def test_chart_marks_agreement_with_the_reference(tmp_path, monkeypatch):
+    """Each policy's agreement with the reference policy is drawn (left axis) where the report has it: on tasks
+    beyond the model, exact match is 0 for every policy and agreement is what tells them apart."""
+    import matplotlib.figure
+
+    from compiledllm.evaluate import write_chart
+
+    seen = {}
+
+    def record(fig, path, **kw):
+        ax = fig.axes[0]
+        seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        seen["points"] = [list(line.get_ydata()) for line in ax.get_lines()]
+        Path(path).write_bytes(b"png")  # write_files renames the temporary into place
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    pol = lambda agree: {"exact_match": 0.0, "tokens_per_forward": 1.0, "agreement": agree}  # noqa: E731
+    report = {"model": "m", "device": "cpu", "files": {"t.jsonl": {
+        "tasks": 2, "max_new_tokens": 8, "reference": "t2t", "policies": {"t2t": pol(1.0), "fb": pol(0.25)}}}}
+    write_chart(report, tmp_path / "a.png")
+    assert "agreement with t2t" in seen["legend"] and seen["points"] == [[1.0, 0.25]]
+    del report["files"]["t.jsonl"]["policies"]["fb"]["agreement"]  # a partial report: no markers, no error
+    write_chart(report, tmp_path / "b.png")
+    assert "agreement with t2t" not in seen["legend"] and seen["points"] == []
+
+
 def test_eval_table_fits_80_columns():
     from rich.console import Console
 
