@@ -36,7 +36,7 @@
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg), trainblock (issue 29 item 5: the
 # block-routed tiny-llada2.1 yardstick, 640 steps with 8 of 16 experts a block; its weights in $OUT/pkg), flowblock
 # (issue 31 item 7: tools/bench/bench_flowblock.py on tiny-llada2.1's 256-token code continuations; FLOWBLOCK_BATCHES,
-# FLOWBLOCK_WINDOW)
+# FLOWBLOCK_WINDOW, FLOWBLOCK_PROMPTS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -358,12 +358,13 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   fi
   echo "gpu list: $(( $(date +%s) - t0 )) s wall"
 fi
-if has flowblock; then  # issue 31 item 7: FlowBlock (HWP) against lock-step and t2t end to end on the yardstick's 256-token
-  # code continuations, and the W-block window's forward against t2t's on the LLaDA2.1-mini shape (random weights)
+if has flowblock; then  # issue 31 item 7: FlowBlock (HWP) against lock-step and t2t end to end on the yardstick's
+  # 256-token code continuations, and the W-block window's forward against t2t's on the LLaDA2.1-mini shape (random
+  # weights)
   timeout -k 20 ${FLOWBLOCK_TIMEOUT:-360} python3 tools/bench/bench_flowblock.py --model tiny-llada2.1 \
-    --tasks code_continue_256 --new-tokens 256 --ignore-eos --prompts ${FLOWBLOCK_PROMPTS:-16} --batches ${FLOWBLOCK_BATCHES:-1,16} \
-    --window ${FLOWBLOCK_WINDOW:-2} --out "$OUT/bench_flowblock.json" 2>&1 | grep --line-buffered -v -i warn \
-    | tee "$OUT/bench_flowblock.log" | tail -14
+    --tasks code_continue_256 --new-tokens 256 --ignore-eos --prompts ${FLOWBLOCK_PROMPTS:-16} \
+    --batches ${FLOWBLOCK_BATCHES:-1,16} --window ${FLOWBLOCK_WINDOW:-2} --out "$OUT/bench_flowblock.json" 2>&1 \
+    | grep --line-buffered -v -i warn | tee "$OUT/bench_flowblock.log" | tail -14
 fi
 if has flash; then  # issue 28: flash_dllm (+ verify), threshold verify, Fast-dLLM's caches: captured == eager on the GPU
   timeout -k 20 ${FLASH_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/policies/test_flash_dllm.py tests/policies/test_elastic_cache.py \
