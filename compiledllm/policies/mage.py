@@ -22,6 +22,7 @@ With budget 1.0 every position is selected, in order: the tokens are dense `thre
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +36,7 @@ from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 class MageConfig(ThresholdConfig):
     budget: float = 0.05   # share of the prefix each (layer, KV head) keeps
     dense_layers: int = 2  # layers [0, dense_layers) always read the whole prefix (MAGE / HERALD keep two)
+    fused_commit: ClassVar[bool] = False  # commit: auto is separate (see __post_init__)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,7 +44,7 @@ class MageConfig(ThresholdConfig):
             raise ValueError(f"budget: must be within (0, 1], got {self.budget}")
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers: must be >= 0, got {self.dense_layers}")
-        if self.commit != "separate":
+        if self.commit == "fused":
             raise ValueError("commit: mage commits a block in its own forward (separate)")
 
 

@@ -6,7 +6,7 @@ tokens per step, the remainder spread over the first steps, so that tau = 1.0 gi
 accepting forwards per block). `rule` picks a peer decoder's rule instead (policies/peer_rules.py).
 
 Committing a block (block-causal models, whose KV is cached): a block's KV must come from a forward that saw it
-final (docs/design.md §4). `commit: separate` (the default) retires a block in the forward after its last MASK was
+final (docs/design.md §4). `commit: separate` retires a block in the forward after its last MASK was
 filled, which only writes that KV; a block then costs its accepting steps + 1 forwards, the last block and the EOS
 block included. `commit: fused` retires the block in the step that fills its last MASK and writes its KV in the
 next block's first forward: phase "commit" forwards [block n final; block n+1] as two query groups (block n sees the
@@ -17,6 +17,9 @@ block. The step runs "commit" (2 blocks of queries for every row of the batch) w
 "decode": at small, weight-bound batches the wider forward costs about what one block does; at large,
 compute-bound ones it may not pay (measure with `compiledllm bench` before choosing it there).
 Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
+`commit: auto` (the default) is fused where the engine runs on CUDA (decode measured 6-10 % faster there, batch 1 to
+128: docs/results.md, issue 31 item 1) and separate on the CPU, with verify, and in an exported engine; a policy
+built without an engine (make_policy) takes auto as separate.
 
 `verify: true` (block-causal models, separate commit; past Flash-dLLM, which verifies a bidirectional model): each
 decode step is followed by Flash-Verify's forward over the drafts the rule left (policies/flash_verify.py,
@@ -24,8 +27,8 @@ BlockVerify), phase "verify"; at gamma 1 it accepts nothing and the tokens are t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
 
 import torch
 
@@ -42,7 +45,8 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
     threshold: float = 0.95
     steps: int | None = None
     rule: Rule = "engine"  # or sdar_static, sdar_dynamic, fast_dllm: a peer decoder's tokens (peer_rules.py)
-    commit: Literal["separate", "fused"] = "separate"  # how a finished block's KV is written (module docstring)
+    commit: Literal["auto", "separate", "fused"] = "auto"  # how a finished block's KV is written (module docstring)
+    fused_commit: ClassVar[bool] = True  # whether commit: auto may choose fused for this policy
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -52,6 +56,15 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
         self.check_verify()
         if self.verify and self.commit == "fused":
             raise ValueError("verify: checks drafts between a block's steps; it needs commit: separate")
+
+
+def resolve_commit(config: ThresholdConfig, device: torch.device, exported: bool) -> ThresholdConfig:
+    """`commit: auto` for an engine on `device`: fused on CUDA unless verify needs the separate commit or the engine
+    is exported (its package runs single-window plans); separate elsewhere (module docstring)."""
+    if config.commit != "auto":
+        return config
+    fused = device.type == "cuda" and not exported and not config.verify and config.fused_commit
+    return replace(config, commit="fused" if fused else "separate")
 
 
 class ThresholdPolicy(BlockVerify, BlockPolicy):

@@ -338,7 +338,7 @@ def test_recipe_show_round_trips(tmp_path):
     assert data["batch_size"] == 3 and data["compile"] == "auto" and data["model"]["dtype"] == "float32"
     assert data["policy"] == {"name": "threshold", "block_size": 8, "temperature": 0.0, "top_k": None,
                               "top_p": None, "seed": 0, "threshold": 0.9, "steps": None,
-                              "rule": "engine", "commit": "separate", "verify": False, "gamma": 0.8,
+                              "rule": "engine", "commit": "auto", "verify": False, "gamma": 0.8,
                               "verify_rule": "agree", "search": 8}
     assert data["generation"] == {"max_new_tokens": 12, "max_seq_len": None, "ignore_eos": False}
     assert data["prefill"] == {"chunk": 4096, "tokens": 16384}

@@ -4,8 +4,9 @@
 # Every `timeout` has -k 20 (the CLI takes SIGTERM as a stop after its current unit, signals.py, which can outlast a
 # stage: flashyard had not ended 13 minutes after its 400 s eval began, 2026-12-06) and grep is line-buffered.
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
-# steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/bench/kernel_table.py, eager vs compiled) and
-# attention (packed-attention GPU tests of both kernels, then tools/bench/bench_attention.py, CuPy vs Triton), grid (the
+# steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/bench/kernel_table.py, eager vs compiled;
+# KERNELS_ARGS, KERNELS_OUT) and attention (packed-attention GPU tests of both kernels, then
+# tools/bench/bench_attention.py, CuPy vs Triton), grid (the
 # whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
 # sampling (tools/bench/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
@@ -158,7 +159,7 @@ if has compiled; then
 fi
 if has kernels; then
   timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
-    --out "$OUT/kernels_llada2_b32_4k_h200.json" 2>&1 | grep --line-buffered -v -i warn | tail -60
+    --out "$OUT/${KERNELS_OUT:-kernels_llada2_b32_4k_h200.json}" 2>&1 | grep --line-buffered -v -i warn | tail -60
 fi
 if has profile; then  # compiledllm profile on CUDA: 8 prompts of 4096 random ids (eager, phases attributed per kernel)
   python3 -c "import json, random; r = random.Random(0)

@@ -40,11 +40,14 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compiled",
                     help="eager, compiled, graphs, compiled+graphs (kernels inside a replayed graph are listed too)")
     ap.add_argument("--steps", type=int, default=STEPS, help="steps profiled (default: one block's, every phase once)")
+    ap.add_argument("--block", type=int, default=BLOCK, help="block size (the SDAR-4B workload: 4)")
+    ap.add_argument("--block-steps", type=int, default=STEPS, help="policy steps a block (tau 1.0: exactly these)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="kernels.json")
     args = ap.parse_args()
     model = build_random(args.preset, device="cuda", dtype=torch.bfloat16)
-    policy = ThresholdPolicy(ThresholdConfig(block_size=BLOCK, threshold=1.0, steps=STEPS), model.mask_token_id)
+    policy = ThresholdPolicy(ThresholdConfig(block_size=args.block, threshold=1.0, steps=args.block_steps),
+                             model.mask_token_id)  # commit separate: run(batch) runs its one phase every step
     result = {}
     with torch.no_grad():
         for mode in args.modes.split(","):
@@ -63,7 +66,8 @@ def main() -> None:
                 print(f"  {r['ms_per_step']:7.3f} ms {r['calls_per_step']:6.0f}x  {r['kernel'][:110]}")
             del stepper, st, kv
     with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "context": args.context, "batch": args.batch} | result, f, indent=1)
+        json.dump({"preset": args.preset, "context": args.context, "batch": args.batch, "block": args.block,
+                   "block_steps": args.block_steps} | result, f, indent=1)
 
 
 if __name__ == "__main__":
