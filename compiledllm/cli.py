@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -158,10 +159,44 @@ def precheck_file(recipe: Path, kind: str = "recipe") -> None:
 
 
 def progress(*columns) -> Progress:
-    """A transient progress display on stderr; none under --quiet, nor on the other ranks of a split model."""
+    """A transient progress display on stderr; none under --quiet, nor on the other ranks of a split model. Where
+    stderr is no terminal (a log file, CI) rich draws nothing, so a plain line stands in for it (LineProgress)."""
     from compiledllm.parallel import main_rank
 
-    return Progress(*columns, console=err_console, transient=True, disable=err_console.quiet or not main_rank())
+    kind = Progress if err_console.is_terminal else LineProgress
+    return kind(*columns, console=err_console, transient=True, disable=err_console.quiet or not main_rank())
+
+
+class LineProgress(Progress):
+    """A progress display for a stderr that is no terminal: a line such as "eval code.jsonl: t2t  3/9  412 s" when
+    the description or the count changed, at most one every EVERY seconds, the first after EVERY seconds (a short
+    run prints none), so that a long eval or bench written to a log shows it is alive and where it is."""
+    EVERY = 30.0
+
+    def __init__(self, *columns, **kwargs):
+        super().__init__(*columns, **kwargs)
+        self._said, self._next = None, time.monotonic() + self.EVERY
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._line(task_id)
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._line(task_id)
+
+    def _line(self, task_id) -> None:
+        now = time.monotonic()
+        task = next(t for t in self.tasks if t.id == task_id)
+        first = next((c for c in self.columns if isinstance(c, TextColumn)), None)
+        label = Text.from_markup(first.text_format.format(task=task)).plain if first else task.description
+        said = (label, task.completed)
+        if self.disable or now < self._next or said == self._said:
+            return
+        total = "" if task.total is None else f"/{task.total:.0f}"
+        self.console.print(f"{label}  {task.completed:.0f}{total}  {task.elapsed or 0:.0f} s", markup=False,
+                           highlight=False, soft_wrap=True)
+        self._said, self._next = said, now + self.EVERY
 
 
 def compact_table(title: str) -> Table:

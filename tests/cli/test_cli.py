@@ -368,3 +368,32 @@ def test_log_lines_show_under_quiet(tmp_path, quiet):
     res = run_cli(*quiet, "--log-level", "warning", "run", write_recipe(tmp_path), "--set",
                   "generation.max_new_tokens=4")
     assert res.exit_code == 0 and "INFO" not in res.stderr, res.stderr
+
+
+def test_progress_without_a_terminal_prints_lines(monkeypatch):
+    """Where stderr is no terminal rich draws no bar: LineProgress prints a line when the description or count
+    changed, at most one every EVERY seconds and none before the first EVERY seconds (a short run stays quiet)."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import BarColumn, TextColumn
+
+    from compiledllm.cli import LineProgress
+
+    def run(every):
+        monkeypatch.setattr(LineProgress, "EVERY", every)
+        sink = io.StringIO()
+        with LineProgress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), transient=True,
+                          console=Console(file=sink, force_terminal=False, width=200)) as bar:
+            task = bar.add_task("loading", total=None)
+            bar.update(task, description="lists.jsonl: t2t", total=4)
+            bar.advance(task)
+            bar.advance(task, 0)  # nothing changed: no line
+            bar.update(task, description="lists.jsonl: flowblock")
+        return [ln for ln in sink.getvalue().splitlines() if ln]  # rich ends a transient display with a newline
+
+    assert run(30.0) == []
+    lines = run(0.0)
+    assert [ln.rsplit("  ", 1)[0] for ln in lines] == ["eval lists.jsonl: t2t  0/4", "eval lists.jsonl: t2t  1/4",
+                                                       "eval lists.jsonl: flowblock  1/4"]
+    assert all(ln.endswith(" s") for ln in lines)
