@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default="aoti_probe.json")
     ap.add_argument("--device", default="cuda", help="cpu: the same probe of CPU packages (they load; a check of this"
                     " script)")
+    ap.add_argument("--packages", default=",".join(PACKAGES), help="package forms to try, comma-separated")
+    ap.add_argument("--loads", default=",".join(LOADS), help="loading variants to try, comma-separated")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("aoti_probe: needs a CUDA device (the crash is in loading CUDA packages)")
@@ -97,7 +99,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     rec = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
            "date": time.strftime("%Y-%m-%d"), "packages": {}}
-    for pname, configs in PACKAGES.items():
+    for pname, configs in ((p, PACKAGES[p]) for p in args.packages.split(",")):
         path = tmp / f"{pname}.pt2"
         t = time.perf_counter()
         err = export(model, x, path, configs)
@@ -105,7 +107,7 @@ def main() -> None:
         if err:
             entry["export_error"] = err
         else:
-            for load in LOADS:
+            for load in args.loads.split(","):
                 entry["loads"][load] = r = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device)
                 print(f"  {pname} / {load}: {r.get('signal') or r.get('error') or 'ok'} in {r['s']} s", flush=True)
         rec["packages"][pname] = entry

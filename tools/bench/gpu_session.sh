@@ -334,7 +334,7 @@ if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped 
   tail -n 4 "$OUT/train_tiny_llada.log"
 fi
 if has aoti; then  # issue 31 item 6: the CUDA AOTInductor load crash, one nn.Linear, each package form x loading variant
-  timeout -k 20 ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py --out "$OUT/aoti_probe.json" 2>&1 | grep --line-buffered -v -i warn \
+  timeout -k 20 ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py ${AOTI_ARGS:-} --out "$OUT/aoti_probe.json" 2>&1 | grep --line-buffered -v -i warn \
     | tee "$OUT/aoti_probe.log" | tail -5
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
