@@ -193,6 +193,7 @@ def test_eval_progress_legend_and_80_columns(tmp_path, monkeypatch):
             super().advance(task_id, advance)
 
     monkeypatch.setattr(cli, "Progress", Recording)
+    monkeypatch.setattr(cli, "LineProgress", Recording)  # CliRunner's stderr is no terminal
     res = CliRunner().invoke(app, ["eval", str(small_eval(tmp_path))])
     assert res.exit_code == 0, res.output
     assert TimeRemainingColumn in seen["columns"]
