@@ -15,7 +15,7 @@ first forward see), written for both, logits for block n+1 only. No forward is m
 reads: a request that ends with it ends there. The tokens are the separate commit's; the forwards fewer by one a
 block. The step runs "commit" (2 blocks of queries for every row of the batch) when some row begins a block, else
 "decode": at small, weight-bound batches the wider forward costs about what one block does; at large,
-compute-bound ones it may not pay (measure with `compiledllm bench` before choosing it there).
+compute-bound ones it costs more, and still paid where measured (SDAR-4B at batch 128 on an H100: +9 % output tok/s).
 Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
 `commit: auto` (the default) is fused where the engine runs on CUDA (decode measured 6-10 % faster there, batch 1 to
 128: docs/results.md, issue 31 item 1) and separate on the CPU, with verify, and in an exported engine; a policy
