@@ -103,19 +103,22 @@ def resolve_block(config: PolicyConfig, default_block: int) -> PolicyConfig:
         raise UserError(f"policy.{e}") from None
 
 
-def make_policy(config: PolicyConfig, mask_id: int, bidirectional: bool = False) -> Policy:
+def policy_class(config: PolicyConfig) -> type[Policy]:
     for cfg_cls, pol_cls in POLICIES.values():
         if type(config) is cfg_cls:
-            return pol_cls(config, mask_id, bidirectional)
+            return pol_cls
     raise UserError(f"no policy for config {type(config).__name__}")
+
+
+def make_policy(config: PolicyConfig, mask_id: int, bidirectional: bool = False) -> Policy:
+    return policy_class(config)(config, mask_id, bidirectional)
 
 
 def record_edits(params: dict | PolicyConfig, span: int) -> PolicyConfig:
     """The policy's config (from params, as policy_config) with its edit record on for the first `span` generated
     positions where its policy keeps one (an EditRecord: t2t, flowblock, flowblock_sync); any other unchanged."""
     config = policy_config(params)
-    policy_cls = next((p for c, p in POLICIES.values() if type(config) is c), None)
-    if policy_cls is None or not issubclass(policy_cls, EditRecord):
+    if not issubclass(policy_class(config), EditRecord):
         return config
     return replace(config, edit_span=span)
 
@@ -125,4 +128,4 @@ def policy_name(config: PolicyConfig) -> str:
 
 
 __all__ = ["POLICIES", "Policy", "PolicyConfig", "ThresholdConfig", "T2TConfig", "FlowBlockConfig", "make_policy", "policy_config",
-           "policy_name", "record_edits", "register_policy", "resolve_block"]
+           "policy_class", "policy_name", "record_edits", "register_policy", "resolve_block"]

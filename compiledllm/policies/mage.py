@@ -22,7 +22,6 @@ With budget 1.0 every position is selected, in order: the tokens are dense `thre
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -36,7 +35,6 @@ from compiledllm.policies.threshold import ThresholdConfig, ThresholdPolicy
 class MageConfig(ThresholdConfig):
     budget: float = 0.05   # share of the prefix each (layer, KV head) keeps
     dense_layers: int = 2  # layers [0, dense_layers) always read the whole prefix (MAGE / HERALD keep two)
-    fused_commit: ClassVar[bool] = False  # commit: auto is separate (see __post_init__)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -28,7 +28,7 @@ BlockVerify), phase "verify"; at gamma 1 it accepts nothing and the tokens are t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -46,7 +46,6 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
     steps: int | None = None
     rule: Rule = "engine"  # or sdar_static, sdar_dynamic, fast_dllm: a peer decoder's tokens (peer_rules.py)
     commit: Literal["auto", "separate", "fused"] = "auto"  # how a finished block's KV is written (module docstring)
-    fused_commit: ClassVar[bool] = True  # whether commit: auto may choose fused for this policy
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,12 +57,14 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
             raise ValueError("verify: checks drafts between a block's steps; it needs commit: separate")
 
 
-def resolve_commit(config: ThresholdConfig, device: torch.device, exported: bool) -> ThresholdConfig:
-    """`commit: auto` for an engine on `device`: fused on CUDA unless verify needs the separate commit or the engine
-    is exported (its package runs single-window plans); separate elsewhere (module docstring)."""
+def resolve_commit(config: ThresholdConfig, kv_hook: bool, device: torch.device, exported: bool) -> ThresholdConfig:
+    """`commit: auto` for an engine on `device`: fused on CUDA unless verify needs the separate commit, the policy
+    fills KV of its own after the forward that retires a block (`kv_hook`: mage, herald, a sparse pool; with the fused
+    commit that forward has not written the block yet) or the engine is exported (its package runs single-window
+    plans); separate elsewhere (module docstring)."""
     if config.commit != "auto":
         return config
-    fused = device.type == "cuda" and not exported and not config.verify and config.fused_commit
+    fused = device.type == "cuda" and not exported and not config.verify and not kv_hook
     return replace(config, commit="fused" if fused else "separate")
 
 
@@ -78,6 +79,9 @@ class ThresholdPolicy(BlockVerify, BlockPolicy):
         super().__init__(config, mask_id, bidirectional)
         # bidirectional models cache nothing: their blocks already retire in the step that fills them
         self.fused = config.commit == "fused" and not bidirectional
+        if self.fused and self.kv_hook:
+            raise UserError(f"policy.commit: fused: {self.name} fills its own KV after the forward that retires a "
+                            "block, which the fused commit writes a forward later; use separate (or auto)")
         if self.fused:
             self.phases = ("decode", "commit")
         if config.verify:

@@ -184,7 +184,8 @@ def test_phase_times_under_cuda_graphs(tmp_path):
         runs[timed] = ([r.output_ids for r in engine.generate(ps)], engine.stats)
     assert runs[True][0] == runs[False][0]
     stats = runs[True][1]
-    assert runs[False][1].phases == {} and set(stats.phases) == {"decode"}
-    decode = stats.phases["decode"]
-    assert decode["runs"] == stats.decode_steps > 0 and decode["uncaptured"] == 0
-    assert 0 < decode["seconds"] <= stats.decode_s
+    # commit: auto is fused on CUDA: a step runs "commit" where a row begins a block, else "decode"
+    assert runs[False][1].phases == {} and "decode" in stats.phases and set(stats.phases) <= {"decode", "commit"}
+    phases = stats.phases.values()
+    assert sum(p["runs"] for p in phases) == stats.decode_steps > 0 and all(p["uncaptured"] == 0 for p in phases)
+    assert all(p["seconds"] > 0 for p in phases) and sum(p["seconds"] for p in phases) <= stats.decode_s
