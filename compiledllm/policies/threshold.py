@@ -18,8 +18,9 @@ block. The step runs "commit" (2 blocks of queries for every row of the batch) w
 compute-bound ones it costs more, and still paid where measured (SDAR-4B at batch 128 on an H100: +9 % output tok/s).
 Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
 `commit: auto` (the default) is fused where the engine runs on CUDA (decode measured 6-10 % faster there, batch 1 to
-128: docs/results.md, issue 31 item 1) and separate on the CPU, with verify, and in an exported engine; a policy
-built without an engine (make_policy) takes auto as separate.
+128: docs/results.md, issue 31 item 1) and separate on the CPU, with verify, for a policy that fills its own KV after
+a block's retiring forward (`kv_hook`: mage, herald) and in an exported engine (resolve_commit); a policy built
+without an engine (make_policy) takes auto as separate.
 
 `verify: true` (block-causal models, separate commit; past Flash-dLLM, which verifies a bidirectional model): each
 decode step is followed by Flash-Verify's forward over the drafts the rule left (policies/flash_verify.py,
