@@ -176,6 +176,7 @@ class LineProgress(Progress):
     def __init__(self, *columns, **kwargs):
         super().__init__(*columns, **kwargs)
         self._said, self._next = None, time.monotonic() + self.EVERY
+        self._label = next((c for c in self.columns if isinstance(c, TextColumn)), None)  # the line's label
 
     def update(self, task_id, **kwargs) -> None:
         super().update(task_id, **kwargs)
@@ -188,8 +189,7 @@ class LineProgress(Progress):
     def _line(self, task_id) -> None:
         now = time.monotonic()
         task = next(t for t in self.tasks if t.id == task_id)
-        first = next((c for c in self.columns if isinstance(c, TextColumn)), None)
-        label = Text.from_markup(first.text_format.format(task=task)).plain if first else task.description
+        label = Text.from_markup(self._label.text_format.format(task=task)).plain if self._label else task.description
         said = (label, task.completed)
         if self.disable or now < self._next or said == self._said:
             return

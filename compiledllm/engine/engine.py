@@ -21,7 +21,6 @@ from compiledllm.engine.scheduler import RunStats
 from compiledllm.engine.session import EngineSession
 from compiledllm.errors import UserError
 from compiledllm.policies import PolicyConfig, make_policy, policy_class, resolve_block
-from compiledllm.policies.threshold import ThresholdConfig, resolve_commit
 from compiledllm.signals import shielded
 
 
@@ -37,8 +36,7 @@ class Engine:
         self.model, self.config = model, config
         static = model.static_shapes  # an exported engine: fixed block, KV capacity and buckets, already compiled
         pcfg = resolve_block(config.policy, static.block if static else model.config.default_block_size)
-        if isinstance(pcfg, ThresholdConfig):  # commit: auto, fused on CUDA (policies/threshold.py)
-            pcfg = resolve_commit(pcfg, policy_class(pcfg).kv_hook, model.device, exported=static is not None)
+        pcfg = pcfg.for_engine(policy_class(pcfg).kv_hook, model.device, exported=static is not None)
         self.policy = make_policy(pcfg, model.mask_token_id, model.bidirectional)
         self.block = self.policy.block_size
         if static is not None and self.block != static.block:

@@ -47,6 +47,11 @@ class PolicyConfig:
         """The config with block_size resolved (the model's default where the recipe gives none)."""
         return self if self.block_size is not None else replace(self, block_size=default)
 
+    def for_engine(self, kv_hook: bool, device: torch.device, exported: bool) -> "PolicyConfig":
+        """The config with its engine-dependent settings resolved (default: none; threshold's `commit: auto`).
+        kv_hook: the policy's class fills KV of its own after a forward; exported: the engine runs an export."""
+        return self
+
 
 def check_probability(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:

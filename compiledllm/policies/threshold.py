@@ -19,8 +19,8 @@ compute-bound ones it costs more, and still paid where measured (SDAR-4B at batc
 Sampling keys count the block's deciding steps (`block_step`), not forwards, so both commits draw alike.
 `commit: auto` (the default) is fused where the engine runs on CUDA (decode measured 6-10 % faster there, batch 1 to
 128: docs/results.md, issue 31 item 1) and separate on the CPU, with verify, for a policy that fills its own KV after
-a block's retiring forward (`kv_hook`: mage, herald) and in an exported engine (resolve_commit); a policy built
-without an engine (make_policy) takes auto as separate.
+a block's retiring forward (`kv_hook`: mage, herald) and in an exported engine (ThresholdConfig.for_engine); a
+policy built without an engine (make_policy) takes auto as separate.
 
 `verify: true` (block-causal models, separate commit; past Flash-dLLM, which verifies a bidirectional model): each
 decode step is followed by Flash-Verify's forward over the drafts the rule left (policies/flash_verify.py,
@@ -57,16 +57,15 @@ class ThresholdConfig(VerifySettings, PolicyConfig):  # + Flash-Verify's keys (m
         if self.verify and self.commit == "fused":
             raise ValueError("verify: checks drafts between a block's steps; it needs commit: separate")
 
-
-def resolve_commit(config: ThresholdConfig, kv_hook: bool, device: torch.device, exported: bool) -> ThresholdConfig:
-    """`commit: auto` for an engine on `device`: fused on CUDA unless verify needs the separate commit, the policy
-    fills KV of its own after the forward that retires a block (`kv_hook`: mage, herald, a sparse pool; with the fused
-    commit that forward has not written the block yet) or the engine is exported (its package runs single-window
-    plans); separate elsewhere (module docstring)."""
-    if config.commit != "auto":
-        return config
-    fused = device.type == "cuda" and not exported and not config.verify and not kv_hook
-    return replace(config, commit="fused" if fused else "separate")
+    def for_engine(self, kv_hook: bool, device: torch.device, exported: bool) -> ThresholdConfig:
+        """`commit: auto` for an engine on `device`: fused on CUDA unless verify needs the separate commit, the
+        policy fills KV of its own after the forward that retires a block (`kv_hook`: mage, herald, a sparse pool;
+        with the fused commit that forward has not written the block yet) or the engine is exported (its package runs
+        single-window plans); separate elsewhere (module docstring)."""
+        if self.commit != "auto":
+            return self
+        fused = device.type == "cuda" and not exported and not self.verify and not kv_hook
+        return replace(self, commit="fused" if fused else "separate")
 
 
 class ThresholdPolicy(BlockVerify, BlockPolicy):

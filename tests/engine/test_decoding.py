@@ -452,20 +452,19 @@ def test_commit_auto_is_fused_on_cuda_only(ckpt_dirs):
     for a policy that fills its own KV after a block's retiring forward (kv_hook: mage) and in an exported engine.
     Unresolved, it is separate."""
     from compiledllm.policies import policy_class, policy_config
-    from compiledllm.policies.threshold import resolve_commit
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = policy_config({"name": "threshold"})
     assert auto.commit == "auto" and not policy_class(auto).kv_hook
-    assert resolve_commit(auto, False, cuda, exported=False).commit == "fused"
-    assert resolve_commit(auto, False, cpu, exported=False).commit == "separate"
-    assert resolve_commit(auto, False, cuda, exported=True).commit == "separate"
-    assert resolve_commit(auto, True, cuda, exported=False).commit == "separate"
-    assert resolve_commit(policy_config({"name": "threshold", "verify": True}), False, cuda, False).commit == "separate"
+    assert auto.for_engine(False, cuda, exported=False).commit == "fused"
+    assert auto.for_engine(False, cpu, exported=False).commit == "separate"
+    assert auto.for_engine(False, cuda, exported=True).commit == "separate"
+    assert auto.for_engine(True, cuda, exported=False).commit == "separate"
+    assert policy_config({"name": "threshold", "verify": True}).for_engine(False, cuda, False).commit == "separate"
     mage = policy_config({"name": "mage"})
-    assert resolve_commit(mage, policy_class(mage).kv_hook, cuda, False).commit == "separate"
+    assert mage.for_engine(policy_class(mage).kv_hook, cuda, False).commit == "separate"
     given = policy_config({"name": "threshold", "commit": "separate"})
-    assert resolve_commit(given, False, cuda, False) is given
+    assert given.for_engine(False, cuda, False) is given
     engine = Engine(_model(ckpt_dirs["llada2_g4_s0"], 0), auto, max_new_tokens=8)
     assert engine.policy.config.commit == "separate" and not engine.policy.fused
 

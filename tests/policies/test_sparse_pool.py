@@ -61,10 +61,9 @@ def test_a_pool_keeps_the_separate_commit(model):
     """A policy that fills its own KV after a block's retiring forward (kv_hook) needs that forward to write the
     block: commit auto stays separate for it on CUDA too, and fused is a one-line error."""
     from compiledllm.errors import UserError
-    from compiledllm.policies.threshold import resolve_commit
 
     auto = SparsePoolConfig(block_size=8)
-    assert resolve_commit(auto, SparsePoolPolicy.kv_hook, torch.device("cuda"), False).commit == "separate"
+    assert auto.for_engine(SparsePoolPolicy.kv_hook, torch.device("cuda"), False).commit == "separate"
     with pytest.raises(UserError, match=r"^policy\.commit: fused: sparse_pool fills its own KV"):
         Engine(model, EngineConfig(DENSE | {"name": "sparse_pool", "commit": "fused"}, max_new_tokens=4))
 

@@ -6,8 +6,8 @@
 # STAGES picks what runs (default: tests quickstart moe decode selection); also: compiled (compiled + captured
 # steps at batch >= 32, ~100-130 s of compile per point), kernels (tools/bench/kernel_table.py, eager vs compiled;
 # KERNELS_ARGS, KERNELS_OUT) and attention (packed-attention GPU tests of both kernels, then
-# tools/bench/bench_attention.py, CuPy vs Triton), grid (the
-# whole benchmark grid in all three modes, one process per GPU, resumable across calls: GRID_RESUME) and head
+# tools/bench/bench_attention.py, CuPy vs Triton), grid (the whole benchmark grid in all three modes, one process per
+# GPU, resumable across calls: GRID_RESUME) and head
 # (tools/bench/bench_head.py: the row-selective head against cuBLAS), profile (compiledllm profile of a batch-8 4K run),
 # sampling (tools/bench/bench_sampling.py), prefill / moeprefill / attnbase / e2e (issue 19's prefill, MoE-at-prefill,
 # attention-baseline and end-to-end benchmarks), versus (bench_decode of the commit copied into .base/ and of this tree, in the same call, alternating: BASE_ROUNDS),
