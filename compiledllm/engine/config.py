@@ -23,6 +23,7 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
     prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
+    prefill_compile: bool | str = "auto"  # large prefill forwards as compiled regions; auto: as `compile` resolves
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
@@ -38,6 +39,8 @@ class EngineConfig:
         _positive_int("prefill_tokens", self.prefill_tokens)
         if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "auto")):
             raise UserError(f"compile: true or false, or auto (compiled on CUDA only), got {self.compile!r}")
+        if not (isinstance(self.prefill_compile, bool) or self.prefill_compile == "auto"):
+            raise UserError(f"prefill.compile: true or false, or auto (as `compile`), got {self.prefill_compile!r}")
         for name in ("cuda_graphs", "ignore_eos", "phase_times"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
@@ -53,5 +56,5 @@ class EngineConfig:
         return cls(recipe.policy_config(), max_new_tokens=recipe.generation.max_new_tokens,
                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
-                   prefill_tokens=recipe.prefill.tokens, ignore_eos=recipe.generation.ignore_eos,
-                   phase_times=recipe.phase_times)
+                   prefill_tokens=recipe.prefill.tokens, prefill_compile=recipe.prefill.compile,
+                   ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times)

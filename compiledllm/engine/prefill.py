@@ -7,9 +7,13 @@ position, and a row whose prefill ends inside the chunk pads it. Padding starts 
 real tokens, so no real query sees it, and it is never written (kv_write -1). Shapes come from small fixed sets
 (rows: powers of two or the exported buckets; C: `chunk` divided by powers of two, at least one block). A forward
 holds as many rows as fit `max_tokens` at the chunk its rows need, so short prompts share one forward (128 prompts
-of 128 tokens: one forward of 16K tokens, where a bound by the longest chunk allowed 4 rows, 32 forwards). Prefill
-runs eagerly: at thousands of tokens per forward the matmuls dominate, and a shape-generic compile of the layers
-measured slower at 32K prompts (recompiles; docs/results.md "Prefill").
+of 128 tokens: one forward of 16K tokens, where a bound by the longest chunk allowed 4 rows, 32 forwards).
+
+Compiled prefill (`prefill.compile`, issue 31 item 5): a forward of at least `compile_min_tokens` tokens runs the
+decoder layers as compiled regions with static shapes, one graph per (rows, C) bucket, so the float32 elementwise
+work between the GEMMs (norms, RoPE, residuals, casts) is fused; a smaller forward runs eagerly, as each new shape
+costs a compile (seconds cold) for little work. A shape-generic compile (dynamic shapes) measured slower at 32K
+prompts (recompiles; docs/results.md "Prefill").
 """
 from __future__ import annotations
 
@@ -18,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from compiledllm.engine.compile import compile_room, compiled_regions
 from compiledllm.engine.state import SlotState
 from compiledllm.kv.store import KVStore
 from compiledllm.policies.plan import window_forward
 
 MIN_CHUNK = 128  # smallest chunk bucket (or one block, if larger): shorter tails pad up to it
+COMPILE_MIN_TOKENS = 4096  # the smallest prefill forward (rows x C) that runs compiled (module note)
 
 
 def warms_prefill(device: torch.device) -> bool:
@@ -78,10 +84,14 @@ def _cut(run: list[int], sizes: list[int], fits: Callable[[int, int], bool] | No
 
 class Prefiller:
     """Runs prefill chunk forwards. `max_tokens` bounds one forward's tokens (rows x C): the longest a prefill
-    forward can stall rows that are decoding."""
+    forward can stall rows that are decoding. `compiled`: forwards of at least COMPILE_MIN_TOKENS tokens run the
+    layers as compiled regions (module note)."""
 
-    def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None):
+    def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
+                 compiled: bool = False):
         self.model, self.block, self.max_tokens = model, block, max_tokens
+        self.layers = compiled_regions(model).layers if compiled else None
+        self.compile_min_tokens = COMPILE_MIN_TOKENS
         self.chunks = chunk_buckets(chunk, block)
         most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
         self.row_sizes = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most) or [1]
@@ -112,17 +122,22 @@ class Prefiller:
             written += step
         return written
 
-    def warm_up(self, st: SlotState, kv: KVStore) -> None:
+    def warm_up(self, st: SlotState, kv: KVStore, progress: Callable[[int, int, str], None] | None = None) -> None:
         """One chunk forward of each chunk size at one row, and of the most rows a forward holds at the smallest and
         the largest chunk, writing nothing (every KV write goes to the spare row; no slot's state changes): the
-        kernels prefill runs (Triton's JIT on a cold cache, seconds) are built at start-up instead of in the first
-        request's prefill."""
+        kernels prefill runs (Triton's JIT on a cold cache, seconds; the compiled regions' graphs) are built at
+        start-up instead of in the first request's prefill. progress(done, total, what): as Stepper's on_startup."""
         def most(C: int) -> int:  # rows of chunk C one forward holds
             return min(st.seq.shape[0], max((r for r in self.row_sizes if r * C <= self.max_tokens), default=1))
 
-        shapes = {(1, c) for c in self.chunks} | {(most(c), c) for c in (self.chunks[0], self.chunks[-1])}
-        for rows, C in sorted(shapes):
+        shapes = sorted({(1, c) for c in self.chunks} | {(most(c), c) for c in (self.chunks[0], self.chunks[-1])})
+        what = "compile prefill" if self.layers is not None else "prefill kernels"
+        for i, (rows, C) in enumerate(shapes):
+            if progress is not None:
+                progress(i, len(shapes), f"{what} · {rows} x {C}")
             self._forward(st, kv, 0, rows, [0] * rows, [C] * rows, C, write=False)
+        if progress is not None:
+            progress(len(shapes), len(shapes), what)
 
     def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
                  C: int, write: bool = True) -> None:
@@ -136,4 +151,8 @@ class Prefiller:
         last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
         fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real,
                              write=torch.where(real & write, pos, -1), logits_at=last)
-        self.model(fwd, kv.prefill_rows(first, first + rows))
+        if self.layers is None or rows * C < self.compile_min_tokens:
+            self.model(fwd, kv.prefill_rows(first, first + rows))
+            return
+        with compile_room():
+            self.model(fwd, kv.prefill_rows(first, first + rows), layers=self.layers)

@@ -31,6 +31,7 @@ from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
+from compiledllm.kv.cache import KVCache
 from compiledllm.policies.sampling import request_key
 from compiledllm.policies.windows import narrow, report as width_report
 from compiledllm.profiling import phase as profile_range
@@ -66,8 +67,9 @@ class EngineSession:
         self.slots, self.capacity, self.block_events = slots, capacity, block_events
         self.block = self.policy.block_size
         self.threads = follow_threads(self.model.device)  # CPU: torch's threads follow the machine (threads.py)
-        if engine.compile:  # but not once compiled: Dynamo guards on the thread count, so a change recompiles every
-            self.threads = None  # graph (and the compile's own workers, read as other load, would make one at once)
+        if engine.compile or engine.prefill_compile:  # but not once compiled: Dynamo guards on the thread count,
+            self.threads = None  # so a change recompiles every graph (and the compile's own workers, read as other
+            # load, would make one at once)
         self.st, self.kv = self._allocate()
         cfg = engine.config
         buckets = engine.buckets or (default_buckets(slots) if engine.cuda_graphs or not engine.compile else [slots])
@@ -79,10 +81,13 @@ class EngineSession:
                                eos_id=self.eos, on_startup=on_startup,
                                phases=self.policy.phases_for(capacity, shortest or self.block))
         static = engine.static
-        self.prefiller = None if self.kv is None else Prefiller(self.model, self.block, cfg.prefill_chunk,
-                                                                cfg.prefill_tokens, static.buckets if static else None)
+        # compiled prefill through the device cache's plain layer views only (the other stores' views are untested
+        # under Dynamo)
+        self.prefiller = None if self.kv is None else Prefiller(
+            self.model, self.block, cfg.prefill_chunk, cfg.prefill_tokens, static.buckets if static else None,
+            compiled=engine.prefill_compile and type(self.kv) is KVCache)
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
-        self.startup_s = self.stepper.startup_s + self._warm_prefill()
+        self.startup_s = self.stepper.startup_s + self._warm_prefill(on_startup)
         self.compile_cache = self.stepper.cache  # None: not compiled
         self._queue: deque[_Request] = deque()
         self._live: dict[int, _Request] = {}          # every request queued or in a slot, by id
@@ -233,13 +238,14 @@ class EngineSession:
             events.append(FinishEvent(rid, self._finish(req, "cancelled")))
         self._cancel.clear()
 
-    def _warm_prefill(self) -> float:
-        """On CUDA, prefill's kernels built before the first request (Prefiller.warm_up: on a cold Triton cache the
-        first prefill otherwise paid seconds, measured 3.7 s of a 4K-token prefill on an H100); its seconds."""
+    def _warm_prefill(self, on_startup: Callable[[int, int, str], None] | None) -> float:
+        """On CUDA, prefill's kernels (and compiled regions) built before the first request (Prefiller.warm_up: on a
+        cold Triton cache the first prefill otherwise paid seconds, measured 3.7 s of a 4K-token prefill on an
+        H100); its seconds."""
         if self.prefiller is None or not self.policy.prefills or not warms_prefill(self.model.device):
             return 0.0
         t = time.perf_counter()
-        self.prefiller.warm_up(self.st, self.kv)
+        self.prefiller.warm_up(self.st, self.kv, on_startup)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         return time.perf_counter() - t

@@ -127,6 +127,28 @@ def test_sampling_inside_captured_steps_equals_eager(tmp_path, compile):
     assert [r.output_ids for r in eager] != [r.output_ids for r in generate(model, ps, POLICIES[1], batch_size=4, **kw)]
 
 
+def test_gpu_compiled_prefill_equals_eager(tmp_path, monkeypatch):
+    """prefill.compile on CUDA: the chunk forwards through compiled regions (static shapes per (rows, C)) give the
+    eager prefill's tokens (float32: Inductor's fusions round bf16 differently), the start-up's warm-up compiling
+    its shapes; forced for forwards of every size here (by default >= COMPILE_MIN_TOKENS)."""
+    import compiledllm.engine.prefill as prefill
+
+    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+    kw = dict(max_new_tokens=13, batch_size=4, compile=False, prefill_chunk=512, prefill_tokens=2048)
+    monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)
+    runs = {}
+    for compiled in (False, True):
+        eng = Engine(model, EngineConfig(POLICIES[0], prefill_compile=compiled, **kw))
+        runs[compiled] = eng.generate(ps), eng.stats.prefill_tokens
+        assert eng.prefill_compile is compiled
+    assert [r.output_ids for r in runs[True][0]] == [r.output_ids for r in runs[False][0]]
+    assert runs[True][1] == runs[False][1] == sum(len(p) // 8 * 8 for p in ps)
+    assert Engine(model, EngineConfig(POLICIES[0], max_new_tokens=4)).prefill_compile  # auto on CUDA: compiled
+
+
 def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):
     """Long prompts on CUDA (chunks of 512, 4 rows per forward): a compiled, captured engine == eager, and
     requests arriving while others decode (prefill interleaved with captured steps) get the tokens they get

@@ -147,7 +147,8 @@ def test_prefill_warm_up_at_start_up_changes_no_token(tmp_path, monkeypatch, pol
     calls = []
     real = session.Prefiller.warm_up
     monkeypatch.setattr(session, "warms_prefill", lambda device: True)
-    monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv: calls.append(1) or real(self, st, kv))
+    monkeypatch.setattr(session.Prefiller, "warm_up",
+                        lambda self, st, kv, progress=None: calls.append(1) or real(self, st, kv, progress))
     warmed = Engine(model, cfg)
     assert [r.output_ids for r in warmed.generate(ps)] == want
     assert calls and warmed.startup_s > 0 == plain.startup_s
@@ -169,7 +170,7 @@ def test_no_prefill_warm_up_for_a_policy_that_never_prefills(tmp_path, monkeypat
     want = [r.output_ids for r in Engine(model, cfg).generate(ps)]
     calls = []
     monkeypatch.setattr(session, "warms_prefill", lambda device: True)
-    monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv: calls.append(1))
+    monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv, progress=None: calls.append(1))
     assert [r.output_ids for r in Engine(model, cfg).generate(ps)] == want
     assert calls == []
 
@@ -188,3 +189,59 @@ def test_prefill_warm_up_writes_only_the_spare_rows(sdar):
             assert torch.equal(was[:, :, :-1], now[:, :, :-1]) and not torch.equal(was[:, :, -1], now[:, :, -1])
         else:
             assert torch.equal(was, now)
+
+
+def test_compiled_prefill_equals_eager_and_compiles_each_shape_once(tmp_path, monkeypatch):
+    """prefill.compile: the chunk forwards through compiled regions (static shapes) write the eager forwards' KV and
+    give the same tokens; each layer kind compiles once per (rows, C) shape, whichever slots a forward covers (a
+    guard on the cache view's offset would recompile per slot). Forced for every forward size here (on CUDA only
+    forwards of >= COMPILE_MIN_TOKENS tokens compile)."""
+    from torch._dynamo.utils import counters
+
+    import compiledllm.engine.prefill as prefill
+
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 6, num_hidden_layers=3))
+    kinds = len({type(layer.mlp) for layer in model.layers})
+    ps = prompts_of([140, 290, 33, 270], model.config.vocab_size)
+    cfg = dict(max_new_tokens=16, batch_size=4, max_seq_len=320, prefill_chunk=256, prefill_tokens=512,
+               ignore_eos=True, compile=False)
+    runs, real = {}, prefill.Prefiller._forward
+    monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)
+    for compiled in (False, True):
+        shapes = set()
+        monkeypatch.setattr(prefill.Prefiller, "_forward", lambda self, st, kv, first, rows, *a, **k:
+                            shapes.add((rows, a[-1])) or real(self, st, kv, first, rows, *a, **k))
+        torch._dynamo.reset()
+        counters.clear()
+        session = Engine(model, EngineConfig(POLICY, prefill_compile=compiled, **cfg)).session(4, 320)
+        for i, p in enumerate(ps):
+            session.add(i, p)
+        lens = [len(p) // 8 * 8 for p in ps]  # the prompts' full blocks: what prefill writes
+        for _ in range(20):
+            session.step()
+            if session.stats().prefill_tokens == sum(lens):
+                break
+        kv = [t[:, :, :288].clone() for t in (session.kv.k_full, session.kv.v_full)]
+        graphs = counters["stats"]["unique_graphs"]
+        runs[compiled] = kv, Engine(model, EngineConfig(POLICY, prefill_compile=compiled, **cfg)).generate(ps)
+        if compiled:  # the second engine's prefill (the same shapes at other slots) reused every graph
+            assert graphs == counters["stats"]["unique_graphs"] == kinds * len(shapes) and len(shapes) >= 2, shapes
+        else:
+            assert graphs == 0
+    (kv_e, out_e), (kv_c, out_c) = runs[False], runs[True]
+    for t_e, t_c in zip(kv_e, kv_c):
+        for slot, n in enumerate(lens):  # slots were filled in order: the prompt's full blocks are its prefill
+            torch.testing.assert_close(t_c[slot, :, :n], t_e[slot, :, :n], rtol=1e-4, atol=1e-5)
+    assert [r.output_ids for r in out_c] == [r.output_ids for r in out_e]
+
+
+def test_prefill_compile_follows_compile_unless_set(sdar):
+    """prefill.compile: auto follows `compile` as the engine resolves it (auto: CUDA only), true / false override;
+    anything else is a one-line error naming the key."""
+    def resolved(**kw):
+        return Engine(sdar, EngineConfig(POLICY, max_new_tokens=4, **kw)).prefill_compile
+
+    assert resolved() is False and resolved(compile=True) is True  # the CPU: auto compiles nothing
+    assert resolved(compile=True, prefill_compile=False) is False and resolved(prefill_compile=True) is True
+    with pytest.raises(UserError, match="prefill.compile"):
+        EngineConfig(POLICY, max_new_tokens=4, prefill_compile="yes")

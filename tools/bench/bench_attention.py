@@ -21,6 +21,9 @@ Baselines (each optional, --baselines):
                the prefill (append) wrapper. Skipped with one line where `import flashinfer` fails; its JIT
                compiles each backend on first use (flashinfer_<backend>_first_call_s records it).
   sdpa         F.scaled_dot_product_attention with the dense mask, where it fits.
+  sdpa_cudnn   the same call restricted to the cuDNN backend (the boolean mask [B, 1, Lq, N] as its bias), and
+  sdpa_efficient  restricted to the memory-efficient backend: the SDPA kernels that take a block-causal mask
+               (Flash takes none). For prefill chunks: --qlens 4096 --slot 32 (issue 31 item 5).
 
     PYTHONPATH=. python tools/bench/bench_attention.py --out bench.json [--sweep] [--quick] [--baselines ...]
 """
@@ -47,7 +50,7 @@ QLENS = [32, 64]
 D = 128
 SWEEP_CASES = [(32, 4096, 32), (32, 32768, 32), (64, 4096, 32), (8, 32768, 32), (64, 16384, 64)]  # B, prefix, Lq
 SDPA_BYTES_LIMIT = 24 << 30  # skip SDPA-dense where its math path would need more than this
-BASELINES = ("flex_static", "flex", "flashinfer", "sdpa")
+BASELINES = ("flex_static", "flex", "flashinfer", "sdpa", "sdpa_cudnn", "sdpa_efficient")
 FLASHINFER_PAGE = 16  # tokens per page of the FlashInfer copy of the cache (vLLM's default block size)
 
 
@@ -318,6 +321,9 @@ def run_config(c: dict, ceil: dict, flexes: dict, tile=None, baselines=(), trito
             r["triton_speedup_vs_flashinfer"] = best[0] / r["triton_s"]
             r["flashinfer_frac_roofline"] = roof / best[0]
         del fc
+    for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_efficient", "EFFICIENT_ATTENTION")):
+        if name in baselines:
+            r.update(sdpa_backend(c, name, backend, out))
     if "sdpa" not in baselines:
         return r
     G = c["H"] // c["KVH"]
@@ -333,12 +339,42 @@ def run_config(c: dict, ceil: dict, flexes: dict, tile=None, baselines=(), trito
     return r
 
 
-def grid(quick: bool, batches=BATCHES, prefixes=PREFIXES, qlens=QLENS, w2=True, heads=HEADS):
+def sdpa_backend(c: dict, name: str, backend: str, out: torch.Tensor) -> dict:
+    """SDPA restricted to one backend under the config's boolean mask: {name_s, err_name, frac...} or
+    {name_skipped: why}. GQA as enable_gqa, else (a backend that refuses it) K/V expanded to H heads beforehand
+    (the copy not timed; name_expanded says so)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask = dense_mask(c)[:, None]
+    G = c["H"] // c["KVH"]
+    r = {}
+    for gqa in (True, False):
+        k, v = (c["k_all"], c["v_all"]) if gqa else (t.repeat_interleave(G, 1) for t in (c["k_all"], c["v_all"]))
+
+        def run(k=k, v=v, gqa=gqa):
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return F.scaled_dot_product_attention(c["q"], k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=gqa)
+        try:
+            got = run()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the backend refuses this form: try the next, else say why
+            r[name + "_skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        r.pop(name + "_skipped", None)
+        r["err_" + name] = rel_err(got.transpose(1, 2), out)
+        r[name + "_s"] = bench_graph(run, name) or bench(run)
+        r[name + "_expanded"] = not gqa
+        r["triton_speedup_vs_" + name] = r[name + "_s"] / max(r.get("triton_s", 0), 1e-12)
+        break
+    return r
+
+
+def grid(quick: bool, batches=BATCHES, prefixes=PREFIXES, qlens=QLENS, w2=True, heads=HEADS, slot=None):
     for H, KVH in heads:
         for B in batches[:2] if quick else batches:
             for prefix in prefixes[:2] if quick else prefixes:
                 for Lq in qlens:
-                    yield H, KVH, B, prefix, Lq, Lq  # W = 1: slot = q_len
+                    yield H, KVH, B, prefix, Lq, slot or Lq  # W = 1: slot = q_len (a prefill chunk: --slot)
     if w2:
         for B, prefix in [(8, 4096), (32, 16384)]:  # a few W = 2 points (FlowBlock's default)
             yield 16, 4, B, prefix, 64, 32
@@ -388,16 +424,16 @@ def summarize(rows: list[dict]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     """Times in us (graph replays); roof% = roofline / time; x columns = baseline time / ours (CUDA) time."""
-    print(f"\n{'H/KVH':6s} {'B':>3s} {'pref':>6s} {'Lq':>3s} {'bl':>3s} {'roof us':>8s} {'ours':>8s} {'triton':>8s} "
-          f"{'flexS':>8s} {'flexDyn':>8s} {'flashinf':>8s} {'sdpa':>8s} {'xFlexS':>6s} {'xFlexD':>6s} {'xFI':>6s} "
+    print(f"\n{'H/KVH':6s} {'B':>3s} {'pref':>6s} {'Lq':>4s} {'bl':>3s} {'roof us':>8s} {'ours':>8s} {'triton':>8s} "
+          f"{'flexS':>8s} {'flexDyn':>8s} {'flashinf':>8s} {'sdpa':>8s} {'cudnn':>8s} {'effic':>8s} {'xFlexS':>6s} {'xFlexD':>6s} {'xFI':>6s} "
           f"{'roof%':>6s} {'tri%':>6s} {'flxS%':>6s} {'FI%':>6s} {'bound':>5s}")
     for r in rows:
         us = lambda k: f"{r[k] * 1e6:8.1f}" if k in r else f"{'-':>8s}"  # noqa: E731
         x = lambda k: f"{r[k]:6.2f}" if k in r else f"{'-':>6s}"  # noqa: E731
         pct = lambda k: f"{100 * r[k]:6.1f}" if k in r else f"{'-':>6s}"  # noqa: E731
-        print(f"{r['H']:>2d}/{r['KVH']:<3d} {r['B']:3d} {r['prefix']:6d} {r['Lq']:3d} {r['slot']:3d} "
+        print(f"{r['H']:>2d}/{r['KVH']:<3d} {r['B']:3d} {r['prefix']:6d} {r['Lq']:4d} {r['slot']:3d} "
               f"{us('roofline_s')} {us('ours_s')} {us('triton_s')} {us('flex_static_s')} {us('flex_s')} "
-              f"{us('flashinfer_s')} {us('sdpa_s')} {x('speedup_vs_flex_static')} {x('speedup_vs_flex')} "
+              f"{us('flashinfer_s')} {us('sdpa_s')} {us('sdpa_cudnn_s')} {us('sdpa_efficient_s')} {x('speedup_vs_flex_static')} {x('speedup_vs_flex')} "
               f"{x('speedup_vs_flashinfer')} {pct('frac_roofline')} {pct('triton_frac_roofline')} "
               f"{pct('frac_roofline_flex_static')} {pct('flashinfer_frac_roofline')} {r['bound'][:3]:>5s}")
 
@@ -413,6 +449,7 @@ def main() -> None:
     ap.add_argument("--batches", type=ints, help="override the grid's batch sizes, e.g. 8,32,64")
     ap.add_argument("--prefixes", type=ints, help="override the grid's mean prefixes, e.g. 4096,32768")
     ap.add_argument("--qlens", type=ints, help="override the grid's q_len values (W = 2 points dropped)")
+    ap.add_argument("--slot", type=int, help="the window's block (default q_len); a prefill chunk: --qlens 4096 --slot 32")
     ap.add_argument("--heads", type=lambda t: [tuple(map(int, h.split("/"))) for h in t.split(",")],
                     help="override the grid's H/KVH pairs, e.g. 16/4 or 16/4,32/8")
     ap.add_argument("--baselines", default=",".join(BASELINES),
@@ -431,7 +468,7 @@ def main() -> None:
     print(f"{dev.name}: HBM copy {ceil['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     heads = args.heads or HEADS
-    max_n = int(max(args.prefixes or PREFIXES) * 1.25) + 256
+    max_n = int(max(args.prefixes or PREFIXES) * 1.25) + 256 + max(args.qlens or QLENS)
     pool = Pool(max(args.batches or BATCHES) * max(kvh for _, kvh in heads + [(16, 4)]) * (max_n + 64) * D)
     flexes = {"flex_static": Flex(dynamic=False), "flex": Flex(dynamic=True)}
     fi = FlashInfer([b for b in args.flashinfer_backends.split(",") if b]) if "flashinfer" in baselines else None
@@ -475,7 +512,7 @@ def main() -> None:
         save()
     custom = args.batches or args.prefixes or args.qlens or args.heads
     for H, KVH, B, prefix, Lq, slot in grid(args.quick, args.batches or BATCHES, args.prefixes or PREFIXES,
-                                           args.qlens or QLENS, w2=not custom, heads=heads):
+                                           args.qlens or QLENS, w2=not custom, heads=heads, slot=args.slot):
         if time.time() - t0 > args.budget_s:
             result["skipped_for_time"].append([H, KVH, B, prefix, Lq, slot])
             continue

@@ -5,7 +5,10 @@ with one block of output (`threshold` tau 1.0, 20 steps, block 32, ignore_eos) a
 (RunStats.prefill_s, synchronised) is read. Variants, in the same process:
 
 * `rows1-1024`: the path before issue 19 (one row at a time, eager 1024-position chunks: prefill_tokens 1024);
-* `eager-C`: batched chunks of C positions per row, up to --tokens per forward (what the engine runs).
+* `eager-C`: batched chunks of C positions per row, up to --tokens per forward, the layers run eagerly;
+* `compiled-C`: the same forwards through compiled regions, static shapes per (rows, C) bucket (`prefill.compile`,
+  issue 31 item 5; what the engine runs on CUDA by default). Run twice: the first run compiles the shapes the
+  start-up's warm-up did not (recorded as first_prefill_s), the second is the figure.
 
 (The run of record, docs/results/bench_prefill_h200.json, also has `compiled-2048`: a shape-generic compile of the
 layers for prefill that this tool measured and the engine then dropped: faster at 4K x 8, 3.8x slower at 32K x 8.)
@@ -48,9 +51,10 @@ def prefill_flops(cfg, prompt: int, batch: int) -> float:
     return batch * (2 * active_params(cfg) * n + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * pairs)
 
 
-def run_variant(model, prompts, chunk: int, tokens: int) -> dict:
-    cfg = EngineConfig(POLICY, max_new_tokens=BLOCK, batch_size=len(prompts), ignore_eos=True,
-                       prefill_chunk=chunk, prefill_tokens=tokens, buckets=(len(prompts),))  # one decode graph
+def run_variant(model, prompts, chunk: int, tokens: int, compiled: bool = False) -> dict:
+    cfg = EngineConfig(POLICY, max_new_tokens=BLOCK, batch_size=len(prompts), ignore_eos=True, compile=False,
+                       prefill_chunk=chunk, prefill_tokens=tokens, prefill_compile=compiled,
+                       buckets=(len(prompts),))  # one decode graph
     eng = Engine(model, cfg)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -66,7 +70,7 @@ def main() -> None:
     ap.add_argument("--plan", default="llada2.0-mini:4000x1,4000x8,16000x8,32000x8,32000x32;sdar-8b:4000x8,16000x8")
     ap.add_argument("--chunks", default="1024,2048,4096", help="chunk sizes of the batched eager variants")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per prefill forward (batched variants)")
-    ap.add_argument("--variants", default="rows1-1024,eager")
+    ap.add_argument("--variants", default="rows1-1024,eager,compiled")
     ap.add_argument("--baseline-max-tokens", type=int, default=300_000,
                     help="skip the one-row baseline above this many prompt tokens (it is the slow one)")
     ap.add_argument("--out", default="docs/results/bench_prefill.json")
@@ -94,11 +98,15 @@ def main() -> None:
                 if v == "rows1-1024":
                     if batch * prompt <= args.baseline_max_tokens:
                         names.append((v, 1024, 1024))
-                elif v == "eager":
-                    names += [(f"eager-{c}", int(c), args.tokens) for c in args.chunks.split(",")]
+                elif v in ("eager", "compiled"):
+                    names += [(f"{v}-{c}", int(c), args.tokens) for c in args.chunks.split(",")]
             for name, chunk, tokens in names:
                 try:
-                    r = run_variant(model, prompts, chunk, tokens)
+                    compiled = name.startswith("compiled")
+                    first = run_variant(model, prompts, chunk, tokens, compiled) if compiled else None
+                    r = run_variant(model, prompts, chunk, tokens, compiled)
+                    if first is not None:
+                        r["first_prefill_s"], r["first_startup_s"] = first["prefill_s"], first["startup_s"]
                     r["tokens_per_s"] = r["prefill_tokens"] / r["prefill_s"]
                     r["of_roofline"] = rec["roofline_s"] / r["prefill_s"]
                 except torch.OutOfMemoryError as e:

@@ -129,6 +129,21 @@ if has prefill; then  # issue 19: prefill through the engine (batched chunks) vs
   timeout -k 20 ${PREFILL_TIMEOUT:-300} python3 tools/bench/bench_prefill.py --out "$OUT/bench_prefill_h200.json" ${PREFILL_ARGS:-} \
     2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_prefill.log" | tail -12
 fi
+if has attnpre; then  # issue 31 item 5: attention of prefill chunks (4,096 queries a row, block 32, 4 rows) against
+  # static Flex and SDPA's cuDNN / memory-efficient backends under the same block-causal mask
+  timeout -k 20 ${ATTNPRE_TIMEOUT:-300} python3 tools/bench/bench_attention.py --heads ${ATTNPRE_HEADS:-16/4,32/8} --batches 4 \
+    --prefixes ${ATTNPRE_PREFIXES:-0,12288,28672} --qlens 4096 --slot 32 --baselines flex_static,sdpa_cudnn,sdpa_efficient \
+    --budget-s ${ATTNPRE_BUDGET:-240} --out "$OUT/bench_attention_prefill.json" 2>&1 | grep --line-buffered -v -i warn \
+    | tee "$OUT/bench_attention_prefill.log" | tail -16
+fi
+if has prefirst; then  # issue 31 items 2, 5: the SDAR-4B workload under the defaults (prefill compiled), then with
+  # prefill.compile=false in the same call (its decode graphs then warm in Inductor's cache)
+  for pc in auto false; do
+    timeout -k 20 ${PREFIRST_TIMEOUT:-240} python3 -m compiledllm bench recipes/bench_sdar4b.yaml --set prefill.compile=$pc \
+      --prompt-len 128 --output-len ${PREFIRST_OUTPUT:-1024} --batch 128 --out "$OUT/prefirst_sdar4b_$pc.json" 2>&1 \
+      | grep --line-buffered -v -i warn | tail -4
+  done
+fi
 if has moeprefill; then  # issue 19: routed experts at prefill sizes against the dense GEMM rate, tile sweep
   timeout -k 20 ${MOEP_TIMEOUT:-200} python3 tools/bench/bench_moe.py --batches "" --prefill-tokens ${MOEP_TOKENS:-2048,8192,16384,32768} \
     --prefill-sweep --out "$OUT/bench_moe_prefill_h200.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_moe_prefill.log" | tail -24
