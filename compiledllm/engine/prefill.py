@@ -9,11 +9,13 @@ real tokens, so no real query sees it, and it is never written (kv_write -1). Sh
 holds as many rows as fit `max_tokens` at the chunk its rows need, so short prompts share one forward (128 prompts
 of 128 tokens: one forward of 16K tokens, where a bound by the longest chunk allowed 4 rows, 32 forwards).
 
-Compiled prefill (`prefill.compile`, issue 31 item 5): a forward of at least `compile_min_tokens` tokens runs the
-decoder layers as compiled regions with static shapes, one graph per (rows, C) bucket, so the float32 elementwise
-work between the GEMMs (norms, RoPE, residuals, casts) is fused; a smaller forward runs eagerly, as each new shape
-costs a compile (seconds cold) for little work. A shape-generic compile (dynamic shapes) measured slower at 32K
-prompts (recompiles; docs/results.md "Prefill").
+Compiled prefill (`prefill.compile`, issue 31 item 5): the full forward of each chunk size (the most rows of it a
+forward holds, `compiled_shapes`), where it has at least COMPILE_MIN_TOKENS tokens, runs the decoder layers as
+compiled regions with static shapes, so the float32 elementwise work between the GEMMs (norms, RoPE, residuals,
+casts) is fused. The start-up's warm-up compiles exactly those shapes, so no request waits for a compile (one did:
+a first use of another shape compiled in the middle of a run for seconds); every other forward (fewer rows, small)
+runs eagerly. A shape-generic compile (dynamic shapes) measured slower at 32K prompts (recompiles;
+docs/results.md "Prefill").
 """
 from __future__ import annotations
 
@@ -84,17 +86,24 @@ def _cut(run: list[int], sizes: list[int], fits: Callable[[int, int], bool] | No
 
 class Prefiller:
     """Runs prefill chunk forwards. `max_tokens` bounds one forward's tokens (rows x C): the longest a prefill
-    forward can stall rows that are decoding. `compiled`: forwards of at least COMPILE_MIN_TOKENS tokens run the
-    layers as compiled regions (module note)."""
+    forward can stall rows that are decoding; `slots`: the rows there are (None: no bound). `compiled`: the
+    forwards of `compiled_shapes` run the layers as compiled regions (module note)."""
 
     def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
-                 compiled: bool = False):
-        self.model, self.block, self.max_tokens = model, block, max_tokens
-        self.layers = compiled_regions(model).layers if compiled else None
-        self.compile_min_tokens = COMPILE_MIN_TOKENS
+                 compiled: bool = False, slots: int | None = None):
+        self.model, self.block, self.max_tokens, self.slots = model, block, max_tokens, slots
         self.chunks = chunk_buckets(chunk, block)
         most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
-        self.row_sizes = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most) or [1]
+        rows = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most)
+        self.row_sizes = rows or [1]
+        self.layers = compiled_regions(model).layers if compiled else None
+        full = {(self.most(c), c) for c in self.chunks}
+        self.compiled_shapes = {(r, c) for r, c in full if r * c >= COMPILE_MIN_TOKENS} if compiled else set()
+
+    def most(self, C: int) -> int:
+        """The most rows of chunk C one forward holds."""
+        rows = max((r for r in self.row_sizes if r * C <= self.max_tokens), default=1)
+        return rows if self.slots is None else min(self.slots, rows)
 
     def chunk_for(self, left: int) -> int:
         """The chunk bucket for a row with `left` positions to prefill: the smallest that holds them, else the
@@ -123,14 +132,13 @@ class Prefiller:
         return written
 
     def warm_up(self, st: SlotState, kv: KVStore, progress: Callable[[int, int, str], None] | None = None) -> None:
-        """One chunk forward of each chunk size at one row, and of the most rows a forward holds at the smallest and
-        the largest chunk, writing nothing (every KV write goes to the spare row; no slot's state changes): the
-        kernels prefill runs (Triton's JIT on a cold cache, seconds; the compiled regions' graphs) are built at
-        start-up instead of in the first request's prefill. progress(done, total, what): as Stepper's on_startup."""
-        def most(C: int) -> int:  # rows of chunk C one forward holds
-            return min(st.seq.shape[0], max((r for r in self.row_sizes if r * C <= self.max_tokens), default=1))
-
-        shapes = sorted({(1, c) for c in self.chunks} | {(most(c), c) for c in (self.chunks[0], self.chunks[-1])})
+        """One chunk forward of each chunk size at one row, of the most rows a forward holds at the smallest and
+        the largest chunk, and of every compiled shape, writing nothing (every KV write goes to the spare row; no
+        slot's state changes): the kernels prefill runs (Triton's JIT on a cold cache, seconds; the compiled
+        regions' graphs) are built at start-up instead of in the first request's prefill. progress(done, total,
+        what): as Stepper's on_startup."""
+        ends = (self.chunks[0], self.chunks[-1])
+        shapes = sorted({(1, c) for c in self.chunks} | {(self.most(c), c) for c in ends} | self.compiled_shapes)
         what = "compile prefill" if self.layers is not None else "prefill kernels"
         for i, (rows, C) in enumerate(shapes):
             if progress is not None:
@@ -151,7 +159,7 @@ class Prefiller:
         last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
         fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real,
                              write=torch.where(real & write, pos, -1), logits_at=last)
-        if self.layers is None or rows * C < self.compile_min_tokens:
+        if (rows, C) not in self.compiled_shapes:
             self.model(fwd, kv.prefill_rows(first, first + rows))
             return
         with compile_room():

@@ -85,7 +85,7 @@ class EngineSession:
         # under Dynamo)
         self.prefiller = None if self.kv is None else Prefiller(
             self.model, self.block, cfg.prefill_chunk, cfg.prefill_tokens, static.buckets if static else None,
-            compiled=engine.prefill_compile and type(self.kv) is KVCache)
+            compiled=engine.prefill_compile and type(self.kv) is KVCache, slots=slots)
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
         self.startup_s = self.stepper.startup_s + self._warm_prefill(on_startup)
         self.compile_cache = self.stepper.cache  # None: not compiled
@@ -238,6 +238,7 @@ class EngineSession:
             events.append(FinishEvent(rid, self._finish(req, "cancelled")))
         self._cancel.clear()
 
+    @torch.no_grad()  # as step() runs prefill: grad mode is part of the compiled regions' guards
     def _warm_prefill(self, on_startup: Callable[[int, int, str], None] | None) -> float:
         """On CUDA, prefill's kernels (and compiled regions) built before the first request (Prefiller.warm_up: on a
         cold Triton cache the first prefill otherwise paid seconds, measured 3.7 s of a 4K-token prefill on an

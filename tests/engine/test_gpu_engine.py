@@ -128,9 +128,9 @@ def test_sampling_inside_captured_steps_equals_eager(tmp_path, compile):
 
 
 def test_gpu_compiled_prefill_equals_eager(tmp_path, monkeypatch):
-    """prefill.compile on CUDA: the chunk forwards through compiled regions (static shapes per (rows, C)) give the
-    eager prefill's tokens (float32: Inductor's fusions round bf16 differently), the start-up's warm-up compiling
-    its shapes; forced for forwards of every size here (by default >= COMPILE_MIN_TOKENS)."""
+    """prefill.compile on CUDA: the full chunk forwards through compiled regions (static shapes per (rows, C),
+    compiled by the start-up's warm-up) give the eager prefill's tokens (float32: Inductor's fusions round bf16
+    differently); forced here for forwards of every size (by default >= COMPILE_MIN_TOKENS)."""
     import compiledllm.engine.prefill as prefill
 
     ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
@@ -146,7 +146,7 @@ def test_gpu_compiled_prefill_equals_eager(tmp_path, monkeypatch):
         assert eng.prefill_compile is compiled
     assert [r.output_ids for r in runs[True][0]] == [r.output_ids for r in runs[False][0]]
     assert runs[True][1] == runs[False][1] == sum(len(p) // 8 * 8 for p in ps)
-    assert Engine(model, EngineConfig(POLICIES[0], max_new_tokens=4)).prefill_compile  # auto on CUDA: compiled
+    assert Engine(model, EngineConfig(POLICIES[0], max_new_tokens=4, compile="auto")).prefill_compile  # CUDA: on
 
 
 def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):

@@ -191,43 +191,52 @@ def test_prefill_warm_up_writes_only_the_spare_rows(sdar):
             assert torch.equal(was, now)
 
 
-def test_compiled_prefill_equals_eager_and_compiles_each_shape_once(tmp_path, monkeypatch):
-    """prefill.compile: the chunk forwards through compiled regions (static shapes) write the eager forwards' KV and
-    give the same tokens; each layer kind compiles once per (rows, C) shape, whichever slots a forward covers (a
-    guard on the cache view's offset would recompile per slot). Forced for every forward size here (on CUDA only
-    forwards of >= COMPILE_MIN_TOKENS tokens compile)."""
+def test_compiled_prefill_equals_eager_and_compiles_only_at_start_up(tmp_path, monkeypatch):
+    """prefill.compile: the full forward of each chunk size (Prefiller.compiled_shapes) runs through compiled regions
+    (static shapes) and writes the eager forwards' KV, with the same tokens; the start-up's warm-up compiles each
+    of those shapes once per layer kind, and no request's prefill compiles again (other shapes run eagerly; the
+    same shape at other slots reuses its graph). Forced here for forwards of every size (on CUDA: >=
+    COMPILE_MIN_TOKENS tokens) and with the warm-up the CPU skips."""
     from torch._dynamo.utils import counters
 
     import compiledllm.engine.prefill as prefill
+    import compiledllm.engine.session as session_mod
 
     model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 6, num_hidden_layers=3))
     kinds = len({type(layer.mlp) for layer in model.layers})
     ps = prompts_of([140, 290, 33, 270], model.config.vocab_size)
+    lens = [len(p) // 8 * 8 for p in ps]  # the prompts' full blocks: what prefill writes
     cfg = dict(max_new_tokens=16, batch_size=4, max_seq_len=320, prefill_chunk=256, prefill_tokens=512,
                ignore_eos=True, compile=False)
     runs, real = {}, prefill.Prefiller._forward
     monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)
+    monkeypatch.setattr(session_mod, "warms_prefill", lambda device: True)
     for compiled in (False, True):
-        shapes = set()
-        monkeypatch.setattr(prefill.Prefiller, "_forward", lambda self, st, kv, first, rows, *a, **k:
-                            shapes.add((rows, a[-1])) or real(self, st, kv, first, rows, *a, **k))
+        used = []
+        monkeypatch.setattr(prefill.Prefiller, "_forward", lambda self, st, kv, first, rows, *a, write=True, **k:
+                            (write and used.append((first, rows, a[-1]))) or real(self, st, kv, first, rows, *a,
+                                                                                    write=write, **k))
         torch._dynamo.reset()
         counters.clear()
         session = Engine(model, EngineConfig(POLICY, prefill_compile=compiled, **cfg)).session(4, 320)
+        shapes = session.prefiller.compiled_shapes
+        at_start = counters["stats"]["unique_graphs"]
         for i, p in enumerate(ps):
             session.add(i, p)
-        lens = [len(p) // 8 * 8 for p in ps]  # the prompts' full blocks: what prefill writes
         for _ in range(20):
             session.step()
             if session.stats().prefill_tokens == sum(lens):
                 break
         kv = [t[:, :, :288].clone() for t in (session.kv.k_full, session.kv.v_full)]
-        graphs = counters["stats"]["unique_graphs"]
         runs[compiled] = kv, Engine(model, EngineConfig(POLICY, prefill_compile=compiled, **cfg)).generate(ps)
-        if compiled:  # the second engine's prefill (the same shapes at other slots) reused every graph
-            assert graphs == counters["stats"]["unique_graphs"] == kinds * len(shapes) and len(shapes) >= 2, shapes
+        if compiled:
+            assert shapes == {(4, 128), (2, 256)} and at_start == kinds * len(shapes)
+            ran = {(r, c) for _, r, c in used}
+            assert ran & shapes and ran - shapes  # some forwards compiled, others eager
+            assert len({f for f, r, c in used if (r, c) in shapes}) > 1  # a compiled shape at more than one slot
+            assert counters["stats"]["unique_graphs"] == at_start  # nothing compiled after the start-up
         else:
-            assert graphs == 0
+            assert not shapes and counters["stats"]["unique_graphs"] == 0
     (kv_e, out_e), (kv_c, out_c) = runs[False], runs[True]
     for t_e, t_c in zip(kv_e, kv_c):
         for slot, n in enumerate(lens):  # slots were filled in order: the prompt's full blocks are its prefill
