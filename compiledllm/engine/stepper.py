@@ -66,6 +66,8 @@ class Stepper:
         self.cache: CacheReport | None = None  # what the start-up's compile found in Inductor's cache
         self.startup_s = self._start(cuda_graphs, cache_dir, on_startup)
 
+    @torch.no_grad()  # as EngineSession.step runs the steps: grad mode is part of the compiled graphs' guards (a
+    # session made outside no_grad, as the server's worker makes it, recompiled every graph at its first step)
     def _start(self, cuda_graphs: bool, cache_dir: str | None, on_startup) -> float:
         """Compile and / or capture every (phase, bucket) before the first step: captured largest bucket first
         (later graphs reuse its pool memory); compiled only, up front, so that the first requests do not pay for

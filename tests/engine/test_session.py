@@ -182,3 +182,21 @@ def test_captured_session_equals_eager_on_the_gpu(tmp_path, arch):
     for i in (0, 1, 3, 4, 5):
         eng = Engine(model, EngineConfig(POLICY, max_new_tokens=lengths[i], batch_size=1, max_seq_len=CAPACITY))
         assert graphs.results[i].output_ids == eng.generate([prompts[i]], request_ids=[i])[0].output_ids
+
+
+def test_a_compiled_session_made_outside_no_grad_compiles_nothing_after_its_start(sdar):
+    """The server's worker makes its session outside torch.no_grad and steps it under no_grad (EngineSession.step):
+    grad mode is part of the compiled graphs' guards, so a start-up compiled with grad enabled recompiled every
+    graph at the first step. The start-up compiles under no_grad: stepping adds no graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.is_grad_enabled()
+    session = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=2, compile=True)).session(2, CAPACITY)
+    started = counters["stats"]["unique_graphs"]
+    for i, p in enumerate(prompts_of([6, 9], sdar.config.vocab_size)):
+        session.add(i, p)
+    while session.has_work():
+        session.step()
+    assert started > 0 and counters["stats"]["unique_graphs"] == started
