@@ -75,7 +75,7 @@ def planned(environ: Mapping[str, str] = os.environ, given: Mapping[str, str | N
 def use_cache() -> str:
     """Point Inductor's and Triton's caches into the user's cache directory where the user chose none (a
     directory that cannot be made is left to torch's default, with a warning); returns Inductor's cache directory
-    in effect. Called before a compile, only where one will happen (Stepper)."""
+    in effect. Called before a compile, only where one will happen (Stepper, a compiled Prefiller)."""
     default = torch_default()
     for name, path in planned(os.environ, GIVEN, default).items():
         try:

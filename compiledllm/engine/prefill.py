@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compiledllm.compile_cache import use_cache
 from compiledllm.engine.compile import compile_room, compiled_regions
 from compiledllm.engine.state import SlotState
 from compiledllm.kv.store import KVStore
@@ -96,7 +97,10 @@ class Prefiller:
         most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
         rows = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most)
         self.row_sizes = rows or [1]
-        self.layers = compiled_regions(model).layers if compiled else None
+        self.layers = None
+        if compiled:
+            use_cache()  # Inductor's cache in the user's cache directory, also where the decode step is not compiled
+            self.layers = compiled_regions(model).layers
         full = {(self.most(c), c) for c in self.chunks}
         self.compiled_shapes = {(r, c) for r, c in full if r * c >= COMPILE_MIN_TOKENS} if compiled else set()
 
