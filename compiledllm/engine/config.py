@@ -23,7 +23,7 @@ class EngineConfig:
     buckets: tuple[int, ...] | None = None  # batch-size buckets (default: powers of two up to batch_size)
     prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
-    prefill_compile: bool | str = "auto"  # large prefill forwards as compiled regions; auto: as `compile` resolves
+    prefill_compile: bool | str = "auto"  # large prefill forwards compiled; auto: where `compile` is, on CUDA
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
@@ -40,7 +40,8 @@ class EngineConfig:
         if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "auto")):
             raise UserError(f"compile: true or false, or auto (compiled on CUDA only), got {self.compile!r}")
         if not (isinstance(self.prefill_compile, bool) or self.prefill_compile == "auto"):
-            raise UserError(f"prefill.compile: true or false, or auto (as `compile`), got {self.prefill_compile!r}")
+            raise UserError(f"prefill.compile: true or false, or auto (with `compile`, on CUDA), got "
+                            f"{self.prefill_compile!r}")
         for name in ("cuda_graphs", "ignore_eos", "phase_times"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")

@@ -135,14 +135,21 @@ class Prefiller:
             written += step
         return written
 
+    def warms(self, device: torch.device) -> bool:
+        """Whether warm_up has anything to build: JIT-built kernels (warms_prefill) or compiled shapes."""
+        return warms_prefill(device) or bool(self.compiled_shapes)
+
     def warm_up(self, st: SlotState, kv: KVStore, progress: Callable[[int, int, str], None] | None = None) -> None:
-        """One chunk forward of each chunk size at one row, of the most rows a forward holds at the smallest and
-        the largest chunk, and of every compiled shape, writing nothing (every KV write goes to the spare row; no
-        slot's state changes): the kernels prefill runs (Triton's JIT on a cold cache, seconds; the compiled
-        regions' graphs) are built at start-up instead of in the first request's prefill. progress(done, total,
-        what): as Stepper's on_startup."""
-        ends = (self.chunks[0], self.chunks[-1])
-        shapes = sorted({(1, c) for c in self.chunks} | {(self.most(c), c) for c in ends} | self.compiled_shapes)
+        """One chunk forward of every compiled shape and, where kernels are JIT-built (warms_prefill), of each chunk
+        size at one row and of the most rows a forward holds at the smallest and the largest chunk, writing nothing
+        (every KV write goes to the spare row; no slot's state changes): the compiled regions' graphs and the kernels
+        prefill runs (Triton's JIT on a cold cache, seconds) are built at start-up instead of in the first request's
+        prefill. progress(done, total, what): as Stepper's on_startup."""
+        shapes = set(self.compiled_shapes)
+        if warms_prefill(st.seq.device):
+            ends = (self.chunks[0], self.chunks[-1])
+            shapes |= {(1, c) for c in self.chunks} | {(self.most(c), c) for c in ends}
+        shapes = sorted(shapes)
         what = "compile prefill" if self.layers is not None else "prefill kernels"
         for i, (rows, C) in enumerate(shapes):
             if progress is not None:

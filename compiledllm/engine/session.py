@@ -24,7 +24,7 @@ import torch
 from compiledllm.engine.hooks import HostContext, StepReport, StepView
 from compiledllm.engine.memory import activation_tier, check_fits
 from compiledllm.engine.phase_times import PhaseTimer
-from compiledllm.engine.prefill import Prefiller, Progress, warms_prefill
+from compiledllm.engine.prefill import Prefiller, Progress
 from compiledllm.engine.request import (BlockEvent, Event, FinishEvent, FinishReason, GenerationResult, RequestParams,
                                         working_length)
 from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces
@@ -240,10 +240,10 @@ class EngineSession:
 
     @torch.no_grad()  # as step() runs prefill: grad mode is part of the compiled regions' guards
     def _warm_prefill(self, on_startup: Callable[[int, int, str], None] | None) -> float:
-        """On CUDA, prefill's kernels (and compiled regions) built before the first request (Prefiller.warm_up: on a
+        """Prefill's kernels (on CUDA) and compiled regions built before the first request (Prefiller.warm_up: on a
         cold Triton cache the first prefill otherwise paid seconds, measured 3.7 s of a 4K-token prefill on an
         H100); its seconds."""
-        if self.prefiller is None or not self.policy.prefills or not warms_prefill(self.model.device):
+        if self.prefiller is None or not self.policy.prefills or not self.prefiller.warms(self.model.device):
             return 0.0
         t = time.perf_counter()
         self.prefiller.warm_up(self.st, self.kv, on_startup)

@@ -136,6 +136,7 @@ def test_prefill_warm_up_at_start_up_changes_no_token(tmp_path, monkeypatch, pol
     """On CUDA a session runs prefill's chunk shapes once at start-up, writing nothing (so a cold Triton cache costs
     the start-up, not the first request); forced on the CPU here, every store's tokens stay those of a run without
     it, and the warm-up's forwards ran (start-up time counted)."""
+    import compiledllm.engine.prefill as prefill
     import compiledllm.engine.session as session
 
     model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 6, num_hidden_layers=4))
@@ -146,7 +147,7 @@ def test_prefill_warm_up_at_start_up_changes_no_token(tmp_path, monkeypatch, pol
     want = [r.output_ids for r in plain.generate(ps)]
     calls = []
     real = session.Prefiller.warm_up
-    monkeypatch.setattr(session, "warms_prefill", lambda device: True)
+    monkeypatch.setattr(prefill, "warms_prefill", lambda device: True)
     monkeypatch.setattr(session.Prefiller, "warm_up",
                         lambda self, st, kv, progress=None: calls.append(1) or real(self, st, kv, progress))
     warmed = Engine(model, cfg)
@@ -162,6 +163,7 @@ def test_no_prefill_warm_up_for_a_policy_that_never_prefills(tmp_path, monkeypat
     """A policy whose first forward writes every position (prefills False: its KV is a pooled layout the prefill
     forward cannot address) runs no warm-up forward, so its session starts (on CUDA the forced warm-up raised a shape
     error at start-up), and its tokens are those of a session without the warm-up."""
+    import compiledllm.engine.prefill as prefill
     import compiledllm.engine.session as session
 
     model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada", 6))
@@ -169,14 +171,18 @@ def test_no_prefill_warm_up_for_a_policy_that_never_prefills(tmp_path, monkeypat
     cfg = EngineConfig(policy, max_new_tokens=16, batch_size=2, max_seq_len=128, ignore_eos=True)
     want = [r.output_ids for r in Engine(model, cfg).generate(ps)]
     calls = []
-    monkeypatch.setattr(session, "warms_prefill", lambda device: True)
+    monkeypatch.setattr(prefill, "warms_prefill", lambda device: True)
     monkeypatch.setattr(session.Prefiller, "warm_up", lambda self, st, kv, progress=None: calls.append(1))
     assert [r.output_ids for r in Engine(model, cfg).generate(ps)] == want
     assert calls == []
 
 
-def test_prefill_warm_up_writes_only_the_spare_rows(sdar):
-    """Prefiller.warm_up's forwards write every K/V to the slots' spare row (capacity) and change no slot state."""
+def test_prefill_warm_up_writes_only_the_spare_rows(sdar, monkeypatch):
+    """Prefiller.warm_up's forwards write every K/V to the slots' spare row (capacity) and change no slot state
+    (its kernel forwards forced on the CPU)."""
+    import compiledllm.engine.prefill as prefill
+
+    monkeypatch.setattr(prefill, "warms_prefill", lambda device: True)
     session = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=4, max_seq_len=600, prefill_chunk=512,
                                         prefill_tokens=1024)).session()
     kv, st = session.kv, session.st
@@ -196,11 +202,10 @@ def test_compiled_prefill_equals_eager_and_compiles_only_at_start_up(tmp_path, m
     (static shapes) and writes the eager forwards' KV, with the same tokens; the start-up's warm-up compiles each
     of those shapes once per layer kind, and no request's prefill compiles again (other shapes run eagerly; the
     same shape at other slots reuses its graph). Forced here for forwards of every size (on CUDA: >=
-    COMPILE_MIN_TOKENS tokens) and with the warm-up the CPU skips."""
+    COMPILE_MIN_TOKENS tokens)."""
     from torch._dynamo.utils import counters
 
     import compiledllm.engine.prefill as prefill
-    import compiledllm.engine.session as session_mod
 
     model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 6, num_hidden_layers=3))
     kinds = len({type(layer.mlp) for layer in model.layers})
@@ -210,7 +215,6 @@ def test_compiled_prefill_equals_eager_and_compiles_only_at_start_up(tmp_path, m
                ignore_eos=True, compile=False)
     runs, real = {}, prefill.Prefiller._forward
     monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)
-    monkeypatch.setattr(session_mod, "warms_prefill", lambda device: True)
     for compiled in (False, True):
         used = []
         monkeypatch.setattr(prefill.Prefiller, "_forward", lambda self, st, kv, first, rows, *a, write=True, **k:
@@ -245,12 +249,12 @@ def test_compiled_prefill_equals_eager_and_compiles_only_at_start_up(tmp_path, m
 
 
 def test_prefill_compile_follows_compile_unless_set(sdar):
-    """prefill.compile: auto follows `compile` as the engine resolves it (auto: CUDA only), true / false override;
-    anything else is a one-line error naming the key."""
+    """prefill.compile: auto compiles prefill where the decode step compiles, on CUDA only (the CPU's prefill stays
+    as it was: not measured better), true / false override; anything else is a one-line error naming the key."""
     def resolved(**kw):
         return Engine(sdar, EngineConfig(POLICY, max_new_tokens=4, **kw)).prefill_compile
 
-    assert resolved() is False and resolved(compile=True) is True  # the CPU: auto compiles nothing
+    assert resolved() is False and resolved(compile=True) is False  # the CPU: auto compiles no prefill
     assert resolved(compile=True, prefill_compile=False) is False and resolved(prefill_compile=True) is True
     with pytest.raises(UserError, match="prefill.compile"):
         EngineConfig(POLICY, max_new_tokens=4, prefill_compile="yes")
