@@ -55,6 +55,7 @@ def test_bench_grid_end_to_end(tmp_path):
     # the recipe asks for CUDA graphs (the default) but a CPU run has none: the report says what was used
     assert report["cuda_graphs"] is False and report["cuda_graphs_asked"] is True
     assert report["compile"] is False and report["compile_asked"] == "auto"  # auto: not compiled on the CPU
+    assert report["prefill_compile"] is False and report["prefill_compile_asked"] == "auto"  # nor its prefill
     assert report["settings"]["rate"] == "inf" and report["settings"]["batches"] == [1, 2]
     points = report["points"]
     assert [(p["prompt_len"], p["output_len"], p["batch"]) for p in points] == [
