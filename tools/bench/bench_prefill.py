@@ -7,8 +7,8 @@ with one block of output (`threshold` tau 1.0, 20 steps, block 32, ignore_eos) a
 * `rows1-1024`: the path before issue 19 (one row at a time, eager 1024-position chunks: prefill_tokens 1024);
 * `eager-C`: batched chunks of C positions per row, up to --tokens per forward, the layers run eagerly;
 * `compiled-C`: the same forwards through compiled regions, static shapes per (rows, C) bucket (`prefill.compile`,
-  issue 31 item 5; what the engine runs on CUDA by default). Run twice: the first run compiles the shapes the
-  start-up's warm-up did not (recorded as first_prefill_s), the second is the figure.
+  issue 31 item 5; what the engine runs on CUDA by default). Run twice: the first engine's start-up compiles (or
+  loads) the compiled shapes (first_startup_s; its prefill: first_prefill_s), the second run is the figure.
 
 (The run of record, docs/results/bench_prefill_h200.json, also has `compiled-2048`: a shape-generic compile of the
 layers for prefill that this tool measured and the engine then dropped: faster at 4K x 8, 3.8x slower at 32K x 8.)
