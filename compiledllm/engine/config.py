@@ -12,6 +12,11 @@ def _positive_int(name: str, value) -> None:
         raise UserError(f"{name}: an integer >= 1, got {value!r}")
 
 
+def _compile_mode(name: str, value, auto: str) -> None:
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+        raise UserError(f"{name}: true or false, or auto ({auto}), got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     policy: PolicyConfig                # a dict of policy parameters is accepted and validated
@@ -37,11 +42,8 @@ class EngineConfig:
             _positive_int("max_seq_len", self.max_seq_len)
         _positive_int("prefill_chunk", self.prefill_chunk)
         _positive_int("prefill_tokens", self.prefill_tokens)
-        if not (isinstance(self.compile, bool) or (isinstance(self.compile, str) and self.compile == "auto")):
-            raise UserError(f"compile: true or false, or auto (compiled on CUDA only), got {self.compile!r}")
-        if not (isinstance(self.prefill_compile, bool) or self.prefill_compile == "auto"):
-            raise UserError(f"prefill.compile: true or false, or auto (with `compile`, on CUDA), got "
-                            f"{self.prefill_compile!r}")
+        _compile_mode("compile", self.compile, "compiled on CUDA only")
+        _compile_mode("prefill.compile", self.prefill_compile, "with `compile`, on CUDA")
         for name in ("cuda_graphs", "ignore_eos", "phase_times"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
