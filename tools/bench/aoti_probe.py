@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -31,6 +32,9 @@ out = runner(x.to(sys.argv[4]))
 out = out[0] if isinstance(out, (list, tuple)) else out
 print("max_abs_err", (out.float().cpu() - ref.float()).abs().max().item())
 """
+CHILD_CONSTANTS = ("weights = torch.load(sys.argv[3], weights_only=True)\n"
+                   "runner.load_constants({k: v.to(sys.argv[4]) for k, v in weights.items()}, check_full_update=True, "
+                   "user_managed=True)")
 LOADS = {  # name: (code before the load, extra keyword arguments, environment)
     "plain": ("", "", {}),
     "cuda_context_first": ("torch.zeros(1, device=sys.argv[4]); torch.cuda.synchronize() if sys.argv[4] == 'cuda' "
@@ -43,6 +47,7 @@ PACKAGES = {  # name: inductor configs (the first is what `compiledllm export` w
     "constants_outside": {"aot_inductor.package_constants_in_so": False},
     "constants_inside": {},
     "kernels_embedded": {"aot_inductor.embed_kernel_binary": True},
+    "debug_compile": {"aot_inductor.debug_compile": True},  # -O0 -g: a crash that goes away is an optimisation's
 }
 
 
@@ -57,9 +62,7 @@ def export(model: torch.nn.Module, x: torch.Tensor, path: Path, configs: dict) -
 
 def child(package: Path, data: Path, load: str, outside: bool, device: str) -> dict:
     pre, kw, env = LOADS[load]
-    constants = ("weights = torch.load(sys.argv[3], weights_only=True)\n"
-                 "runner.load_constants({k: v.to(sys.argv[4]) for k, v in weights.items()}, check_full_update=True, "
-                 "user_managed=True)") if outside else ""
+    constants = CHILD_CONSTANTS if outside else ""
     code = CHILD.format(pre=pre, kw=kw, constants=constants)
     t = time.perf_counter()
     try:
@@ -77,6 +80,30 @@ def child(package: Path, data: Path, load: str, outside: bool, device: str) -> d
     else:
         rec["max_abs_err"] = float(res.stdout.split()[-1])
     return rec
+
+
+def native(package: Path, data: Path, load: str, outside: bool, device: str) -> dict:
+    """The crash's native frames (gdb's backtrace of the same child) and what the package's .so links against (ldd):
+    what names the defect where Python's frames stop at the loader."""
+    out: dict = {}
+    with zipfile.ZipFile(package) as z:
+        sos = [n for n in z.namelist() if n.endswith(".so")]
+        if sos and shutil.which("ldd"):
+            so = Path(z.extract(sos[0], package.parent / "unz"))
+            res = subprocess.run(["ldd", str(so)], capture_output=True, text=True)
+            out["ldd"] = [ln.strip() for ln in res.stdout.splitlines()]
+    if not shutil.which("gdb"):
+        out["gdb"] = "not on this machine"
+        return out
+    pre, kw, env = LOADS[load]
+    constants = "" if not outside else CHILD_CONSTANTS
+    script = package.parent / "child.py"
+    script.write_text(CHILD.format(pre=pre, kw=kw, constants=constants))
+    res = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 30", "--args", sys.executable, str(script),
+                          str(package), str(data), str(data.with_name("weights.pt")), device],
+                         capture_output=True, text=True, timeout=300, env=os.environ | env)
+    out["gdb"] = [ln for ln in res.stdout.splitlines() if ln.startswith("#") or "SIG" in ln][:40]
+    return out
 
 
 def main() -> None:
@@ -115,10 +142,14 @@ def main() -> None:
         print(f"{pname:18s} export {entry['export_s']:5.1f} s " + (err or "  ".join(
             f"{k}: {v.get('signal') or ('ok %.1e' % v['max_abs_err'] if 'max_abs_err' in v else 'error')}"
             for k, v in entry["loads"].items())), flush=True)
-    for pname, entry in rec["packages"].items():  # the crash's place, once
-        crash = next((v for v in entry["loads"].values() if v.get("stack")), None)
-        if crash:
-            print(f"{pname} crash, Python frames: " + " | ".join(crash["stack"]))
+    for pname, entry in rec["packages"].items():  # the crash's place, once, with its native frames
+        load = next((k for k, v in entry["loads"].items() if v.get("stack")), None)
+        if load:
+            print(f"{pname} crash, Python frames: " + " | ".join(entry["loads"][load]["stack"]))
+            rec["native"] = {"package": pname, "load": load, **native(
+                tmp / f"{pname}.pt2", tmp / "data.pt", load, pname == "constants_outside", args.device)}
+            print("\n".join(rec["native"].get("ldd", []) + list(rec["native"]["gdb"])), flush=True)
+            Path(args.out).write_text(json.dumps(rec, indent=1))
             break
     shutil.rmtree(tmp, ignore_errors=True)
 
