@@ -172,9 +172,18 @@ if has compiled; then
     --out "$OUT/bench_decode_compiled_h200.json" \
     2>&1 | grep --line-buffered -v -i warn | tee "$OUT/bench_decode_compiled.log" | tail -8
 fi
-if has kernels; then
-  timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
-    --out "$OUT/${KERNELS_OUT:-kernels_llada2_b32_4k_h200.json}" 2>&1 | grep --line-buffered -v -i warn | tail -60
+if has kernels; then  # KERNELS_RUNS="name:args;name:args" runs several workloads, each its own process (kernels_<name>.json)
+  if [ -n "${KERNELS_RUNS:-}" ]; then
+    IFS=';' read -ra runs <<< "$KERNELS_RUNS"
+    for r in "${runs[@]}"; do
+      echo "-- kernels ${r%%:*}: ${r#*:}"
+      timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py ${r#*:} --out "$OUT/kernels_${r%%:*}.json" \
+        2>&1 | grep --line-buffered -v -i warn | tail -${KERNELS_TAIL:-24}
+    done
+  else
+    timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
+      --out "$OUT/${KERNELS_OUT:-kernels_llada2_b32_4k_h200.json}" 2>&1 | grep --line-buffered -v -i warn | tail -60
+  fi
 fi
 if has profile; then  # compiledllm profile on CUDA: 8 prompts of 4096 random ids (eager, phases attributed per kernel)
   python3 -c "import json, random; r = random.Random(0)
