@@ -1,7 +1,9 @@
 """Issue 31 item 6: reduce the CUDA AOTInductor load crash (torch 2.11 + CUDA 13) to its smallest form and look for a
-way round it. One nn.Linear is exported to a package three ways (as `compiledllm export` does, constants outside the
-.so; constants inside; kernel binaries embedded), then each package is loaded and run in a child process under each
-loading variant; a child's exit by signal is the crash. Prints a table and writes JSON.
+way round it. One nn.Linear is exported five ways (as `compiledllm export` does, constants outside the .so; constants
+inside; kernel binaries embedded; compiled -O0 -g; the deprecated bare .so of torch._inductor.aot_compile, loaded by
+torch._export.aot_load), then each is loaded and run in a child process under each loading variant; a child's exit by
+signal is the crash. For the first crash: the .so's links (ldd) and its native frames (gdb, else a preloaded SIGSEGV
+handler's backtrace). Prints a table and writes JSON.
 
     python tools/bench/aoti_probe.py [--out aoti_probe.json]
 """
@@ -25,7 +27,7 @@ import torch
 CHILD = """
 import sys, torch
 {pre}
-runner = torch._inductor.aoti_load_package(sys.argv[1]{kw})
+runner = {loader}
 {constants}
 x, ref = torch.load(sys.argv[2], weights_only=True)
 out = runner(x.to(sys.argv[4]))
@@ -48,22 +50,33 @@ PACKAGES = {  # name: inductor configs (the first is what `compiledllm export` w
     "constants_inside": {},
     "kernels_embedded": {"aot_inductor.embed_kernel_binary": True},
     "debug_compile": {"aot_inductor.debug_compile": True},  # -O0 -g: a crash that goes away is an optimisation's
+    "legacy_so": None,  # no package: torch._inductor.aot_compile's .so, loaded by torch._export.aot_load (deprecated)
 }
 
 
-def export(model: torch.nn.Module, x: torch.Tensor, path: Path, configs: dict) -> str | None:
+def loader(pname: str, kw: str) -> str:
+    """The child's load call for package form `pname` (the legacy .so takes no keyword arguments)."""
+    if PACKAGES[pname] is None:
+        return "torch._export.aot_load(sys.argv[1], sys.argv[4])"
+    return f"torch._inductor.aoti_load_package(sys.argv[1]{kw})"
+
+
+def export(model: torch.nn.Module, x: torch.Tensor, path: Path, configs: dict | None) -> str | None:
     try:
         program = torch.export.export(model, (x,))
+        if configs is None:  # the legacy form: a bare .so, its constants inside
+            shutil.copy(torch._inductor.aot_compile(program.module(), (x,)), path)
+            return None
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
         return None
     except Exception as e:  # an option this torch does not know: recorded, not fatal
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def child(package: Path, data: Path, load: str, outside: bool, device: str) -> dict:
+def child(package: Path, data: Path, load: str, outside: bool, device: str, pname: str) -> dict:
     pre, kw, env = LOADS[load]
     constants = CHILD_CONSTANTS if outside else ""
-    code = CHILD.format(pre=pre, kw=kw, constants=constants)
+    code = CHILD.format(pre=pre, loader=loader(pname, kw), constants=constants)
     t = time.perf_counter()
     try:
         res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(package), str(data),
@@ -82,27 +95,57 @@ def child(package: Path, data: Path, load: str, outside: bool, device: str) -> d
     return rec
 
 
-def native(package: Path, data: Path, load: str, outside: bool, device: str) -> dict:
-    """The crash's native frames (gdb's backtrace of the same child) and what the package's .so links against (ldd):
-    what names the defect where Python's frames stop at the loader."""
+# where gdb is missing (the device has none): a SIGSEGV handler preloaded into the child prints glibc's backtrace
+SEGV_HANDLER = r"""
+#include <execinfo.h>
+#include <signal.h>
+static void on_segv(int sig) { void *f[64]; int n = backtrace(f, 64); backtrace_symbols_fd(f, n, 2);
+                               signal(sig, SIG_DFL); raise(sig); }
+__attribute__((constructor)) static void install(void) { signal(SIGSEGV, on_segv); }
+"""
+
+
+def native_frames(cmd: list[str], env: dict, work: Path) -> list[str]:
+    """The native frames of a child that crashes: gdb's backtrace, else the preloaded handler's (demangled by
+    c++filt where there is one); [reason] where neither can run."""
+    if shutil.which("gdb"):
+        res = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 30", "--args", *cmd], capture_output=True,
+                             text=True, timeout=300, env=env)
+        return [ln for ln in res.stdout.splitlines() if ln.startswith("#") or "SIG" in ln][:40]
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if cc is None:
+        return ["neither gdb nor a C compiler on this machine"]
+    (work / "segv.c").write_text(SEGV_HANDLER)
+    build = subprocess.run([cc, "-shared", "-fPIC", "-o", str(work / "segv.so"), str(work / "segv.c")],
+                           capture_output=True, text=True)
+    if build.returncode:
+        return [f"segv handler did not build: {build.stderr.strip()[:200]}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=env | {"LD_PRELOAD": str(work / "segv.so")})
+    frames = [ln for ln in res.stderr.splitlines() if "(" in ln and "[0x" in ln][:40]
+    if frames and shutil.which("c++filt"):
+        frames = subprocess.run(["c++filt"], input="\n".join(frames), capture_output=True,
+                                text=True).stdout.splitlines()
+    return frames or [f"no frames (rc {res.returncode}): {res.stderr.strip()[-200:]}"]
+
+
+def native(package: Path, data: Path, load: str, outside: bool, device: str, pname: str) -> dict:
+    """The crash's native frames (native_frames, same child) and what the package's .so links against (ldd): what
+    names the defect where Python's frames stop at the loader."""
     out: dict = {}
-    with zipfile.ZipFile(package) as z:
-        sos = [n for n in z.namelist() if n.endswith(".so")]
-        if sos and shutil.which("ldd"):
-            so = Path(z.extract(sos[0], package.parent / "unz"))
-            res = subprocess.run(["ldd", str(so)], capture_output=True, text=True)
-            out["ldd"] = [ln.strip() for ln in res.stdout.splitlines()]
-    if not shutil.which("gdb"):
-        out["gdb"] = "not on this machine"
-        return out
+    so = package if not zipfile.is_zipfile(package) else None
+    if so is None:
+        with zipfile.ZipFile(package) as z:
+            sos = [n for n in z.namelist() if n.endswith(".so")]
+            so = Path(z.extract(sos[0], package.parent / "unz")) if sos else None
+    if so is not None and shutil.which("ldd"):
+        res = subprocess.run(["ldd", str(so)], capture_output=True, text=True)
+        out["ldd"] = [ln.strip() for ln in res.stdout.splitlines()]
     pre, kw, env = LOADS[load]
-    constants = "" if not outside else CHILD_CONSTANTS
     script = package.parent / "child.py"
-    script.write_text(CHILD.format(pre=pre, kw=kw, constants=constants))
-    res = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 30", "--args", sys.executable, str(script),
-                          str(package), str(data), str(data.with_name("weights.pt")), device],
-                         capture_output=True, text=True, timeout=300, env=os.environ | env)
-    out["gdb"] = [ln for ln in res.stdout.splitlines() if ln.startswith("#") or "SIG" in ln][:40]
+    script.write_text(CHILD.format(pre=pre, loader=loader(pname, kw), constants=CHILD_CONSTANTS if outside else ""))
+    cmd = [sys.executable, str(script), str(package), str(data), str(data.with_name("weights.pt")), device]
+    out["frames"] = native_frames(cmd, os.environ | env, package.parent)
     return out
 
 
@@ -127,7 +170,7 @@ def main() -> None:
     rec = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
            "date": time.strftime("%Y-%m-%d"), "packages": {}}
     for pname, configs in ((p, PACKAGES[p]) for p in args.packages.split(",")):
-        path = tmp / f"{pname}.pt2"
+        path = tmp / (f"{pname}.so" if configs is None else f"{pname}.pt2")
         t = time.perf_counter()
         err = export(model, x, path, configs)
         entry = {"configs": configs, "export_s": round(time.perf_counter() - t, 1), "loads": {}}
@@ -135,7 +178,8 @@ def main() -> None:
             entry["export_error"] = err
         else:
             for load in args.loads.split(","):
-                entry["loads"][load] = r = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device)
+                entry["loads"][load] = r = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device,
+                                                 pname)
                 print(f"  {pname} / {load}: {r.get('signal') or r.get('error') or 'ok'} in {r['s']} s", flush=True)
         rec["packages"][pname] = entry
         Path(args.out).write_text(json.dumps(rec, indent=1))  # each package as it ends: a stage's timeout keeps them
@@ -147,8 +191,9 @@ def main() -> None:
         if load:
             print(f"{pname} crash, Python frames: " + " | ".join(entry["loads"][load]["stack"]))
             rec["native"] = {"package": pname, "load": load, **native(
-                tmp / f"{pname}.pt2", tmp / "data.pt", load, pname == "constants_outside", args.device)}
-            print("\n".join(rec["native"].get("ldd", []) + list(rec["native"]["gdb"])), flush=True)
+                tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2"), tmp / "data.pt", load,
+                pname == "constants_outside", args.device, pname)}
+            print("\n".join(rec["native"].get("ldd", []) + rec["native"]["frames"]), flush=True)
             Path(args.out).write_text(json.dumps(rec, indent=1))
             break
     shutil.rmtree(tmp, ignore_errors=True)
