@@ -258,3 +258,47 @@ def test_prefill_compile_follows_compile_unless_set(sdar):
     assert resolved(compile=True, prefill_compile=False) is False and resolved(prefill_compile=True) is True
     with pytest.raises(UserError, match="prefill.compile"):
         EngineConfig(POLICY, max_new_tokens=4, prefill_compile="yes")
+
+
+@pytest.mark.parametrize("policy", [{"name": "mage", "budget": 0.3},
+                                    {"name": "herald", "budget": 0.3, "retrieval": "scan", "pool": "host",
+                                     "scratch": 4}],
+                         ids=["sparse-store", "host-pool-store"])
+def test_compiled_prefill_through_the_selection_stores(tmp_path, monkeypatch, policy):
+    """prefill.compile: true compiles prefill through the selection policies' stores too (MAGE's sparse store; HERALD's
+    host pool, whose rows prefill into lent scratch caches): the same tokens as their eager prefill, compiled forwards
+    run, and every graph is built at start-up. auto (as resolved on CUDA) leaves these stores' prefill eager: only the
+    plain cache's compiled prefill is measured."""
+    from torch._dynamo.utils import counters
+
+    import compiledllm.engine.prefill as prefill
+
+    model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "llada2", 32, num_hidden_layers=3))
+    ps = prompts_of([30, 50, 45, 20], model.config.vocab_size)
+    monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)  # forced for forwards of every size (on CUDA: >= 4,096)
+    ran = []
+    real = prefill.Prefiller._forward
+    monkeypatch.setattr(prefill.Prefiller, "_forward", lambda self, st, kv, first, rows, *a, write=True, **k:
+                        (write and ran.append((rows, a[-1]) in self.compiled_shapes))
+                        or real(self, st, kv, first, rows, *a, write=write, **k))
+    outs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        ran.clear()
+        cfg = EngineConfig({"name": "threshold", "block_size": 4, "threshold": 0.5} | policy, max_new_tokens=12,
+                           batch_size=4, max_seq_len=80, prefill_chunk=16, prefill_tokens=64, ignore_eos=True,
+                           prefill_compile=compiled)
+        engine = Engine(model, cfg)
+        shapes = engine.session(4, 80).prefiller.compiled_shapes
+        at_start = counters["stats"]["unique_graphs"]
+        outs[compiled] = [r.output_ids for r in engine.generate(ps)]
+        if compiled:
+            assert shapes and at_start > 0 and any(ran)  # compiled forwards ran
+            assert counters["stats"]["unique_graphs"] == at_start  # nothing compiled after the start-up
+        else:
+            assert not shapes and not any(ran)
+    assert outs[True] == outs[False]
+    auto = Engine(model, EngineConfig(policy | {"block_size": 4}, max_new_tokens=4, prefill_compile="auto"))
+    auto.prefill_compile = True  # as `auto` resolves on CUDA
+    assert not auto.session(4, 80).prefiller.compiled_shapes
