@@ -129,8 +129,7 @@ class GenerationSpec(_Strict):
 class PrefillSpec(_Strict):
     chunk: int = Field(default=4096, ge=1)    # prompt positions per row in one prefill forward
     tokens: int = Field(default=16384, ge=1)  # tokens in one prefill forward: the longest stall of decoding rows
-    compile: CompileMode = "auto"             # full forwards of >= 4096 tokens compiled; auto: with `compile`, CUDA,
-    # the plain KV cache only; true: every store (the selection policies' too)
+    compile: CompileMode = "auto"             # forwards >= 4096 tokens compiled; auto: with `compile`, CUDA, plain cache
 
 
 class ParallelSpec(_Strict):
