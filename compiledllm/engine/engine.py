@@ -20,6 +20,7 @@ from compiledllm.engine.request import Event, FinishEvent, GenerationResult, Req
 from compiledllm.engine.scheduler import RunStats
 from compiledllm.engine.session import EngineSession
 from compiledllm.errors import UserError
+from compiledllm.kv.cache import KVCache
 from compiledllm.policies import PolicyConfig, make_policy, policy_class, resolve_block
 from compiledllm.signals import shielded
 
@@ -146,6 +147,12 @@ class Engine:
         if self.static:  # run on exported bucket sizes only
             slots = next((b for b in self.buckets if b >= slots), max(self.buckets))
         return slots
+
+    def compiles_prefill(self, kv) -> bool:
+        """Whether a session's prefill through store `kv` compiles: `auto` through the plain device cache only (the
+        one measured); `true` through every store (the selection policies' sparse and host-pool stores: equal to
+        eager on the CPU, not yet measured on a GPU)."""
+        return self.prefill_compile and (self.config.prefill_compile is True or type(kv) is KVCache)
 
     def session(self, slots: int | None = None, capacity: int | None = None, block_events: bool = True,
                 on_startup: Callable[[int, int, str], None] | None = None,

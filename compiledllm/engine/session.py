@@ -31,7 +31,6 @@ from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
-from compiledllm.kv.cache import KVCache
 from compiledllm.policies.sampling import request_key
 from compiledllm.policies.windows import narrow, report as width_report
 from compiledllm.profiling import phase as profile_range
@@ -81,13 +80,9 @@ class EngineSession:
                                eos_id=self.eos, on_startup=on_startup,
                                phases=self.policy.phases_for(capacity, shortest or self.block))
         static = engine.static
-        # `auto` compiles prefill through the device cache's plain layer views only; the other stores' views (the
-        # selection policies' sparse and host-pool stores) under `prefill.compile: true` (equal to eager on the CPU,
-        # not yet measured on a GPU)
-        every_store = cfg.prefill_compile is True
         self.prefiller = None if self.kv is None else Prefiller(
             self.model, self.block, cfg.prefill_chunk, cfg.prefill_tokens, static.buckets if static else None,
-            compiled=engine.prefill_compile and (every_store or type(self.kv) is KVCache), slots=slots)
+            compiled=engine.compiles_prefill(self.kv), slots=slots)
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
         self.startup_s = self.stepper.startup_s + self._warm_prefill(on_startup)
         self.compile_cache = self.stepper.cache  # None: not compiled
