@@ -147,17 +147,18 @@ PROBE = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1])"
 
 
 def probe_load(package: Path, code: str = PROBE) -> None:
-    """Load `package` in a child process first: torch 2.11 + CUDA 13 on the H200 dies with a segmentation fault
-    loading any CUDA AOTInductor package (a single nn.Linear too), which would end this process with no message."""
+    """Load `package` in a child process first: a CUDA AOTInductor package built by a toolchain that links libstdc++
+    statically died with a segmentation fault on load (torch 2.11 + CUDA 13 on the device, until exports linked those
+    symbols privately: toolchain.py), which would end this process with no message."""
     try:
         res = subprocess.run([sys.executable, "-c", code, str(package)], capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         raise UserError(f"{package}: loading the exported package took over 10 minutes in a test process") from None
     if res.returncode < 0:
         name = signal.Signals(-res.returncode).name
-        raise UserError(f"{package}: torch {torch.__version__} crashes ({name}) loading CUDA AOTInductor packages on "
-                        "this machine; run the recipe's model directly (compile: true, cuda_graphs: true) instead "
-                        "of the exported engine")
+        raise UserError(f"{package}: torch {torch.__version__} crashes ({name}) loading this CUDA AOTInductor package "
+                        "on this machine (tools/bench/aoti_probe.py says why); run the recipe's model directly "
+                        "(compile: true, cuda_graphs: true) instead of the exported engine")
     if res.returncode:
         last = (res.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserError(f"{package}: the exported package does not load: {last}")

@@ -30,6 +30,7 @@ from torch import nn
 from compiledllm.attention.spec import AttentionSpec, BlockCausal, Bidirectional, Kernels
 from compiledllm.errors import UserError
 from compiledllm.export.runtime import EXPORT_FILE, FORMAT, WEIGHTS_FILE
+from compiledllm.export.toolchain import private_static_libs
 from compiledllm.kv.cache import KVCache
 from compiledllm.models.base import BlockDiffusionLM
 from compiledllm.models.block_routing import block_routed
@@ -180,8 +181,10 @@ def _write_export(model: BlockDiffusionLM, out: Path, *, block: int, capacity: i
             with torch.no_grad():
                 program = torch.export.export(module, example_inputs(model, b, block, capacity), strict=False)
             name = f"step_b{b}.pt2"
-            torch._inductor.aoti_compile_and_package(program, package_path=str(out / name),
-                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            configs = {"aot_inductor.package_constants_in_so": False}
+            with private_static_libs():  # toolchain.py: what makes CUDA packages load on the device
+                torch._inductor.aoti_compile_and_package(program, package_path=str(out / name),
+                                                         inductor_configs=configs)
         add_constants(program, constants)
         files[str(b)] = name
         if on_bucket is not None:

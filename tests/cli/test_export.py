@@ -87,8 +87,6 @@ def test_exported_engine_matches_eager(exported):
     assert untrusted.exit_code == 2 and "trust" in untrusted.output  # an exported engine runs native code
     res = runner.invoke(app, ["run", str(path), "--set", f"model.path={tmp / 'exp'}", "--trust-exported",
                               "--set", f"output={tmp / 'aoti.jsonl'}"])
-    if exported[2]["model"]["device"] == "cuda" and res.exit_code == 2 and "crashes" in res.output:  # torch's loader
-        pytest.xfail(" ".join(res.output.split()))
     assert res.exit_code == 0, res.output
 
     def rows(name):
@@ -129,8 +127,6 @@ def test_a_run_longer_than_the_export_says_to_export_again(exported):
                         policy={"name": "t2t", "block_size": 4, "threshold": 0.5},
                         generation={"max_new_tokens": 9}, prompts=[{"ids": list(range(5, 45))}], batch_size=2)
     res = runner.invoke(app, ["run", str(long), "--set", "output=null"])
-    if res.exit_code == 2 and "crashes" in res.output:
-        pytest.xfail(" ".join(res.output.split()))
     assert_user_error(res, f"KV capacity is {CAPACITY}", "needs 52", "export the recipe again with --max-seq-len 52")
 
 
@@ -192,6 +188,19 @@ def test_an_export_for_cuda_0_serves_a_recipe_asking_for_cuda():
     assert same_device(dev("cuda"), dev("cuda:0")) and same_device(dev("cuda:0"), dev("cuda:0"))
     assert not same_device(dev("cuda:1"), dev("cuda:0")) and not same_device(dev("cpu"), dev("cuda:0"))
     assert same_device(dev("cpu"), dev("cpu"))
+
+
+def test_exports_link_their_static_libraries_privately():
+    """The flag that made CUDA packages load on the device (toolchain.py) is on only while exporting."""
+    from torch._inductor import cpp_builder
+
+    from compiledllm.export.toolchain import PRIVATE_STATIC_LIBS, private_static_libs
+
+    before = cpp_builder._get_optimization_cflags("g++")
+    with private_static_libs() as applies:
+        inside = cpp_builder._get_optimization_cflags("g++")
+    assert applies and inside == (before[0], [*before[1], PRIVATE_STATIC_LIBS])
+    assert cpp_builder._get_optimization_cflags("g++") == before and PRIVATE_STATIC_LIBS not in before[1]
 
 
 def test_a_loader_crash_in_the_probe_is_a_one_line_error(tmp_path):

@@ -1,9 +1,11 @@
 """Issue 31 item 6: reduce the CUDA AOTInductor load crash (torch 2.11 + CUDA 13) to its smallest form and look for a
-way round it. One nn.Linear is exported five ways (as `compiledllm export` does, constants outside the .so; constants
-inside; kernel binaries embedded; compiled -O0 -g; the deprecated bare .so of torch._inductor.aot_compile, loaded by
+way round it. One nn.Linear is exported six ways (constants outside the .so; the same linked with the static
+libraries' symbols private, as `compiledllm export` does (compiledllm/export/toolchain.py); constants inside; kernel
+binaries embedded; compiled -O0 -g; the deprecated bare .so of torch._inductor.aot_compile, loaded by
 torch._export.aot_load), then each is loaded and run in a child process under each loading variant; a child's exit by
-signal is the crash. For the first crash: the .so's links (ldd) and its native frames (gdb, else a preloaded SIGSEGV
-handler's backtrace). Prints a table and writes JSON.
+signal is the crash. For the first crash: the .so's links (ldd), its native frames (gdb, else a preloaded SIGSEGV
+handler's backtrace) and the C++ toolchain (which libstdc++ the compiler links, which one torch's process maps, and
+whether the .so carries libstdc++'s own code). Prints a table and writes JSON.
 
     python tools/bench/aoti_probe.py [--out aoti_probe.json]
 """
@@ -19,9 +21,12 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+
+from compiledllm.export.toolchain import private_static_libs
 
 # each child: load the package named by argv[1], run it on the input it was exported with, compare with argv[2]'s
 CHILD = """
@@ -44,14 +49,22 @@ LOADS = {  # name: (code before the load, extra keyword arguments, environment)
     "device_index_0": ("", ", device_index=0", {}),
     "single_threaded": ("", ", run_single_threaded=True", {}),
     "module_loading_eager": ("", "", {"CUDA_MODULE_LOADING": "EAGER"}),
+    "preload_stdcxx": ("", "", {}),  # LD_PRELOAD: the compiler's own libstdc++.so.6 (set in main, where it exists)
 }
 PACKAGES = {  # name: inductor configs (the first is what `compiledllm export` writes)
     "constants_outside": {"aot_inductor.package_constants_in_so": False},
+    "private_libs": {"aot_inductor.package_constants_in_so": False},  # + -Wl,--exclude-libs,ALL (PRIVATE)
     "constants_inside": {},
     "kernels_embedded": {"aot_inductor.embed_kernel_binary": True},
     "debug_compile": {"aot_inductor.debug_compile": True},  # -O0 -g: a crash that goes away is an optimisation's
     "legacy_so": None,  # no package: torch._inductor.aot_compile's .so, loaded by torch._export.aot_load (deprecated)
 }
+PRIVATE = {"private_libs"}  # linked within compiledllm.export.toolchain.private_static_libs
+
+
+def outside(pname: str) -> bool:
+    """Whether package form `pname` keeps its constants outside the .so (the child then loads them)."""
+    return bool(PACKAGES[pname]) and PACKAGES[pname].get("aot_inductor.package_constants_in_so") is False
 
 
 def loader(pname: str, kw: str) -> str:
@@ -61,21 +74,23 @@ def loader(pname: str, kw: str) -> str:
     return f"torch._inductor.aoti_load_package(sys.argv[1]{kw})"
 
 
-def export(model: torch.nn.Module, x: torch.Tensor, path: Path, configs: dict | None) -> str | None:
+def export(model: torch.nn.Module, x: torch.Tensor, path: Path, pname: str) -> str | None:
+    configs = PACKAGES[pname]
     try:
         program = torch.export.export(model, (x,))
         if configs is None:  # the legacy form: a bare .so, its constants inside
             shutil.copy(torch._inductor.aot_compile(program.module(), (x,)), path)
             return None
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+        with private_static_libs() if pname in PRIVATE else nullcontext():
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
         return None
     except Exception as e:  # an option this torch does not know: recorded, not fatal
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def child(package: Path, data: Path, load: str, outside: bool, device: str, pname: str) -> dict:
+def child(package: Path, data: Path, load: str, device: str, pname: str) -> dict:
     pre, kw, env = LOADS[load]
-    constants = CHILD_CONSTANTS if outside else ""
+    constants = CHILD_CONSTANTS if outside(pname) else ""
     code = CHILD.format(pre=pre, loader=loader(pname, kw), constants=constants)
     t = time.perf_counter()
     try:
@@ -129,21 +144,59 @@ def native_frames(cmd: list[str], env: dict, work: Path) -> list[str]:
     return frames or [f"no frames (rc {res.returncode}): {res.stderr.strip()[-200:]}"]
 
 
-def native(package: Path, data: Path, load: str, outside: bool, device: str, pname: str) -> dict:
+def run_text(*cmd: str) -> str:
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return (res.stdout + res.stderr).strip()
+
+
+def package_so(package: Path) -> Path | None:
+    """The .so of a package form (the bare .so itself, or the first .so in a .pt2 archive, extracted beside it)."""
+    if not zipfile.is_zipfile(package):
+        return package
+    with zipfile.ZipFile(package) as z:
+        sos = [n for n in z.namelist() if n.endswith(".so")]
+        return Path(z.extract(sos[0], package.parent / f"unz_{package.stem}")) if sos else None
+
+
+def exported_libstdcxx(so: Path | None) -> int | None:
+    """How many of libstdc++'s own symbols (locale, codecvt) the .so defines and exports: nonzero means a static
+    copy of libstdc++ inside it whose symbols can mix with the process's libstdc++.so.6."""
+    if so is None or not shutil.which("nm"):
+        return None
+    lines = run_text("nm", "-C", "--defined-only", "--extern-only", str(so)).splitlines()
+    return sum(("std::locale::" in ln or "std::codecvt<" in ln) for ln in lines)
+
+
+def cxx_facts() -> dict:
+    """The C++ compiler Inductor uses, the libstdc++ it links (shared and static), and the libstdc++ that a process
+    which imported torch maps."""
+    from torch._inductor import cpp_builder
+
+    cxx = cpp_builder.get_cpp_compiler()
+    maps = run_text(sys.executable, "-c", "import torch; print(open('/proc/self/maps').read())").splitlines()
+    return {"compiler": cxx, "version": run_text(cxx, "--version").splitlines()[:1],
+            "configured": [opt for ln in run_text(cxx, "-v").splitlines() if ln.startswith("Configured") for opt in
+                           ln.split() if any(w in opt for w in ("shared", "static", "prefix=", "libstdcxx"))],
+            "libstdcxx_so": run_text(cxx, "-print-file-name=libstdc++.so.6"),
+            "libstdcxx_a": run_text(cxx, "-print-file-name=libstdc++.a"),
+            "process_maps": sorted({ln.split()[-1] for ln in maps if "libstdc++" in ln})}
+
+
+def native(package: Path, data: Path, load: str, device: str, pname: str) -> dict:
     """The crash's native frames (native_frames, same child) and what the package's .so links against (ldd): what
     names the defect where Python's frames stop at the loader."""
     out: dict = {}
-    so = package if not zipfile.is_zipfile(package) else None
-    if so is None:
-        with zipfile.ZipFile(package) as z:
-            sos = [n for n in z.namelist() if n.endswith(".so")]
-            so = Path(z.extract(sos[0], package.parent / "unz")) if sos else None
+    so = package_so(package)
     if so is not None and shutil.which("ldd"):
         res = subprocess.run(["ldd", str(so)], capture_output=True, text=True)
         out["ldd"] = [ln.strip() for ln in res.stdout.splitlines()]
     pre, kw, env = LOADS[load]
     script = package.parent / "child.py"
-    script.write_text(CHILD.format(pre=pre, loader=loader(pname, kw), constants=CHILD_CONSTANTS if outside else ""))
+    constants = CHILD_CONSTANTS if outside(pname) else ""
+    script.write_text(CHILD.format(pre=pre, loader=loader(pname, kw), constants=constants))
     cmd = [sys.executable, str(script), str(package), str(data), str(data.with_name("weights.pt")), device]
     out["frames"] = native_frames(cmd, os.environ | env, package.parent)
     return out
@@ -168,22 +221,32 @@ def main() -> None:
     torch.save({n: p.detach() for n, p in model.named_parameters()}, tmp / "weights.pt")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     rec = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
-           "date": time.strftime("%Y-%m-%d"), "packages": {}}
-    for pname, configs in ((p, PACKAGES[p]) for p in args.packages.split(",")):
-        path = tmp / (f"{pname}.so" if configs is None else f"{pname}.pt2")
+           "date": time.strftime("%Y-%m-%d"), "cxx": cxx_facts(), "packages": {}}
+    print(json.dumps(rec["cxx"], indent=1), flush=True)
+    own = rec["cxx"]["libstdcxx_so"]
+    if os.path.isabs(own):  # (a bare name: the compiler has no shared libstdc++ of its own)
+        LOADS["preload_stdcxx"] = ("", "", {"LD_PRELOAD": own})
+    for pname in args.packages.split(","):
+        path = tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2")
         t = time.perf_counter()
-        err = export(model, x, path, configs)
-        entry = {"configs": configs, "export_s": round(time.perf_counter() - t, 1), "loads": {}}
+        err = export(model, x, path, pname)
+        entry = {"configs": PACKAGES[pname], "private_libs": pname in PRIVATE,
+                 "export_s": round(time.perf_counter() - t, 1), "loads": {}}
         if err:
             entry["export_error"] = err
         else:
+            entry["exported_libstdcxx_symbols"] = exported_libstdcxx(package_so(path))
             for load in args.loads.split(","):
-                entry["loads"][load] = r = child(path, tmp / "data.pt", load, pname == "constants_outside", args.device,
-                                                 pname)
+                if load == "preload_stdcxx" and not LOADS[load][2]:
+                    r = {"s": 0.0, "error": f"the compiler's libstdc++.so.6 is not a file: {own}"}
+                    entry["loads"][load] = r
+                else:
+                    entry["loads"][load] = r = child(path, tmp / "data.pt", load, args.device, pname)
                 print(f"  {pname} / {load}: {r.get('signal') or r.get('error') or 'ok'} in {r['s']} s", flush=True)
         rec["packages"][pname] = entry
         Path(args.out).write_text(json.dumps(rec, indent=1))  # each package as it ends: a stage's timeout keeps them
-        print(f"{pname:18s} export {entry['export_s']:5.1f} s " + (err or "  ".join(
+        print(f"{pname:18s} export {entry['export_s']:5.1f} s, exports {entry.get('exported_libstdcxx_symbols')} "
+              "libstdc++ symbols; " + (err or "  ".join(
             f"{k}: {v.get('signal') or ('ok %.1e' % v['max_abs_err'] if 'max_abs_err' in v else 'error')}"
             for k, v in entry["loads"].items())), flush=True)
     for pname, entry in rec["packages"].items():  # the crash's place, once, with its native frames
@@ -192,7 +255,7 @@ def main() -> None:
             print(f"{pname} crash, Python frames: " + " | ".join(entry["loads"][load]["stack"]))
             rec["native"] = {"package": pname, "load": load, **native(
                 tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2"), tmp / "data.pt", load,
-                pname == "constants_outside", args.device, pname)}
+                args.device, pname)}
             print("\n".join(rec["native"].get("ldd", []) + rec["native"]["frames"]), flush=True)
             Path(args.out).write_text(json.dumps(rec, indent=1))
             break
