@@ -286,7 +286,8 @@ fi
 herald_sets() {  # the --set overrides (in $sets) and environment (in $envs) of the herald stage's policy name $1
   local p=$1
   sets="--set policy.name=${p%%_*}"
-  [ $p != threshold ] && sets="$sets --set policy.budget=0.05"
+  [[ $p != threshold* ]] && sets="$sets --set policy.budget=0.05"
+  [ $p = threshold_c ] && sets="$sets --set prefill.compile=true"  # Dense with its prefill compiled, as herald_host8wc
   [ $p = herald_scan ] && sets="$sets --set policy.retrieval=scan"
   [ $p = herald_hostmage ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.query=block"
   [ $p = herald_hostrep ] && sets="$sets --set policy.pool=host --set policy.lookahead=none"
