@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +180,10 @@ class ExportedModel(ConfigFacts):
         if self.device.type == "cuda":
             probe_load(meta.files[meta.shapes.buckets[0]])
         self.runners = {b: with_weights(load_package(f), f, self.weights) for b, f in meta.files.items()}
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The weights the packages run on, as nn.Module.parameters() would give them (counted by bench's report)."""
+        return iter(self.weights.values())
 
     def _runner(self, batch: int):
         if batch not in self.runners:
