@@ -32,6 +32,7 @@
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
+# exportbench (a CUDA export of the quickstart model timed against the live engine, same call),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
 # recipes/eval_flash.yaml on CUDA; FLASHYARD_SETS: more --set overrides, e.g. "--set compile=false"),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg), trainblock (issue 29 item 5: the
@@ -363,6 +364,20 @@ fi
 if has aoti; then  # issue 31 item 6: the CUDA AOTInductor load crash, one nn.Linear, each package form x loading variant
   timeout -k 20 ${AOTI_TIMEOUT:-300} python3 tools/bench/aoti_probe.py ${AOTI_ARGS:-} --out "$OUT/aoti_probe.json" 2>&1 | grep --line-buffered -v -i warn \
     | tee "$OUT/aoti_probe.log" | tail -5
+fi
+if has exportbench; then  # a CUDA export timed: the quickstart model exported for CUDA, then compiledllm bench of
+  # the live engine (compile: auto) and of the exported one, same call, same points (EXPORTBENCH_BATCHES)
+  exp=/tmp/exported_quickstart; rm -rf $exp
+  t0=$(date +%s)
+  timeout -k 20 ${EXPORTBENCH_TIMEOUT:-400} python3 -m compiledllm export recipes/quickstart.yaml --set model.device=cuda \
+    --set model.dtype=bfloat16 --max-seq-len 320 --out $exp 2>&1 | grep -v -i warn | tail -3
+  echo "export: $(( $(date +%s) - t0 )) s"
+  for form in live exported; do
+    sets=""; [ $form = exported ] && sets="--set model.path=$exp --set model.trust_exported=true"
+    timeout -k 20 200 python3 -m compiledllm bench recipes/quickstart.yaml --set model.device=cuda --set model.dtype=bfloat16 \
+      $sets --prompt-len 128 --output-len 128 --batch ${EXPORTBENCH_BATCHES:-1,4} --out "$OUT/exportbench_$form.json" 2>&1 \
+      | grep --line-buffered -v -i warn | tail -5
+  done
 fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
   # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
