@@ -49,7 +49,7 @@ LOADS = {  # name: (code before the load, extra keyword arguments, environment)
     "device_index_0": ("", ", device_index=0", {}),
     "single_threaded": ("", ", run_single_threaded=True", {}),
     "module_loading_eager": ("", "", {"CUDA_MODULE_LOADING": "EAGER"}),
-    "preload_stdcxx": ("", "", {}),  # LD_PRELOAD: the compiler's own libstdc++.so.6 (set in main, where it exists)
+    "preload_stdcxx": ("", "", {}),  # LD_PRELOAD: the libstdc++.so.6 the compiler resolves (set in main, if a file)
 }
 PACKAGES = {  # name: inductor configs (the first is what `compiledllm export` writes)
     "constants_outside": {"aot_inductor.package_constants_in_so": False},
