@@ -216,3 +216,27 @@ def test_quality_speed_chart_draws_an_eval_report(tmp_path):
     plot_quality_speed.main([str(ROOT / "docs" / "results" / "eval_flash_cpu_s12_run4.json"), "--out", str(out),
                              "--dpi", "40"])
     assert out.stat().st_size > 5_000
+
+
+def test_kernel_groups_of_a_recorded_table():
+    """kernel_table.py's groups on the twenty-second session's LLaDA2.0-mini B32 table: each kernel in the group its
+    name says, and the groups add up to the table."""
+    import json
+
+    from kernel_table import kernel_groups
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "results" / "kernels_mini_b32_4k_h100_s22.json"
+    rows = json.loads(path.read_text())["compiled+graphs"]["kernels"]
+    groups = kernel_groups(rows)
+    assert sum(g["ms"] for g in groups.values()) == pytest.approx(sum(r["ms_per_step"] for r in rows))
+
+    def group_of(name):
+        return next(g for g, v in kernel_groups([{"kernel": name, "ms_per_step": 1.0, "calls_per_step": 1}]).items()
+                    if v["ms"])
+
+    assert group_of("down_kernel") == group_of("gate_up_scan_kernel") == "routed experts (gate-up, down)"
+    assert group_of("packed_attn_combine") == "attention" and group_of("combine_kernel") == "routing, sort, combine"
+    assert group_of("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_TNT") == "GEMMs (cuBLAS)"
+    assert group_of("triton_poi_fused__unsafe_view_add_view_8") == "Inductor's fused elementwise"
+    assert group_of("void at::native::vectorized_elementwise_kernel<4>") == "other"
+    assert groups["routed experts (gate-up, down)"]["ms"] == pytest.approx(11.54, abs=0.01)  # as docs/results.md says

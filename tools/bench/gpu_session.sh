@@ -179,7 +179,7 @@ if has kernels; then  # KERNELS_RUNS="name:args;name:args" runs several workload
     for r in "${runs[@]}"; do
       echo "-- kernels ${r%%:*}: ${r#*:}"
       timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py ${r#*:} --out "$OUT/kernels_${r%%:*}.json" \
-        2>&1 | grep --line-buffered -v -i warn | tail -${KERNELS_TAIL:-24}
+        2>&1 | grep --line-buffered -v -i warn | tail -${KERNELS_TAIL:-40}
     done
   else
     timeout -k 20 ${KERNELS_TIMEOUT:-200} python3 tools/bench/kernel_table.py --batch 32 --context 4096 ${KERNELS_ARGS:-} \
