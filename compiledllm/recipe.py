@@ -130,6 +130,9 @@ class PrefillSpec(_Strict):
     chunk: int = Field(default=4096, ge=1)    # prompt positions per row in one prefill forward
     tokens: int = Field(default=16384, ge=1)  # tokens in one prefill forward: the longest stall of decoding rows
     compile: CompileMode = "auto"             # forwards >= 4096 tokens compiled; auto: with `compile`, CUDA, plain cache
+    # throughput: a prefill forward before every decode step while prompts wait; first_block: none while a decoding
+    # row is still in its first block, one piece at a time (the first block sooner for the first piece's requests)
+    priority: Literal["throughput", "first_block"] = "throughput"
 
 
 class ParallelSpec(_Strict):

@@ -17,6 +17,9 @@ def _compile_mode(name: str, value, auto: str) -> None:
         raise UserError(f"{name}: true or false, or auto ({auto}), got {value!r}")
 
 
+PREFILL_PRIORITIES = ("throughput", "first_block")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     policy: PolicyConfig                # a dict of policy parameters is accepted and validated
@@ -29,6 +32,7 @@ class EngineConfig:
     prefill_chunk: int = 4096           # prompt positions per row in one prefill forward (measured: docs/results.md)
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
     prefill_compile: bool | str = "auto"  # large prefill forwards compiled; auto: where `compile` is, on CUDA
+    prefill_priority: str = "throughput"  # or "first_block": no prefill while a decoding row is in its first block
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
@@ -44,6 +48,8 @@ class EngineConfig:
         _positive_int("prefill_tokens", self.prefill_tokens)
         _compile_mode("compile", self.compile, "compiled on CUDA only")
         _compile_mode("prefill.compile", self.prefill_compile, "with `compile`, on CUDA")
+        if self.prefill_priority not in PREFILL_PRIORITIES:
+            raise UserError(f"prefill.priority: one of {', '.join(PREFILL_PRIORITIES)}, got {self.prefill_priority!r}")
         for name in ("cuda_graphs", "ignore_eos", "phase_times"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
@@ -60,4 +66,5 @@ class EngineConfig:
                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
                    prefill_tokens=recipe.prefill.tokens, prefill_compile=recipe.prefill.compile,
+                   prefill_priority=recipe.prefill.priority,
                    ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times)

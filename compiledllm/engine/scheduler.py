@@ -4,7 +4,9 @@ Each `EngineSession.step` admits queued requests into free slots, runs prefill, 
 While no row decodes, every prefilling row gets a chunk per step (batched where slots are contiguous); while rows
 decode, prefill gets one forward per step (at most `prefill_tokens` tokens), the earliest admitted request first,
 so a new request stalls the decoding rows for one chunk forward at a time (chunked prefill as SGLang and vLLM
-schedule it). Prefill writes only its own rows' KV, so decoding rows keep their tokens.
+schedule it). Prefill writes only its own rows' KV, so decoding rows keep their tokens. With `prefill.priority:
+first_block` prefill waits while a decoding row is still in its first block, and runs one forward at a time even
+when nothing decodes: the rows of the first forward reach their first block before the next rows are prefilled.
 """
 from __future__ import annotations
 
@@ -65,6 +67,15 @@ class Counters:
               ) -> RunStats:
         return RunStats(wall_s=wall_s, startup_s=startup_s, policy=policy or {}, phases=phases or {},
                         **{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def prefill_turn(priority: str, decoding: int, in_first_block: int) -> str | None:
+    """Which prefill runs before this step (when rows wait for it): "all" (every waiting piece: nothing decodes),
+    "one" (the earliest admitted request's piece), or None (first_block priority while `in_first_block` of the
+    `decoding` rows have not finished a block)."""
+    if priority == "first_block":
+        return None if in_first_block else "one"
+    return "one" if decoding else "all"
 
 
 def prefill_pieces(prefiller: Prefiller, prefilling: Sequence[int], admitted: Mapping[int, int],

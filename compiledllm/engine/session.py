@@ -27,7 +27,7 @@ from compiledllm.engine.phase_times import PhaseTimer
 from compiledllm.engine.prefill import Prefiller, Progress
 from compiledllm.engine.request import (BlockEvent, Event, FinishEvent, FinishReason, GenerationResult, RequestParams,
                                         working_length)
-from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces
+from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces, prefill_turn
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
@@ -188,9 +188,11 @@ class EngineSession:
         owner, st, policy = self._owner, self.st, self.policy
         prefilling = [s for s, o in enumerate(owner) if o is not None and o.prefill.left > 0]
         decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
-        if prefilling:
+        turn = prefill_turn(self.engine.config.prefill_priority, len(decoding),
+                            sum(owner[s].first_block is None for s in decoding))
+        if prefilling and turn is not None:
             t = time.perf_counter()
-            ready += self._prefill(prefilling, everyone=not decoding)
+            ready += self._prefill(prefilling, everyone=turn == "all")
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it

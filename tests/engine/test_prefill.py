@@ -108,6 +108,38 @@ def test_prefill_of_requests_arriving_together_stalls_no_decode_step(sdar):
     assert eng.stats.prefill_forwards >= 6 and eng.stats.stalled_steps == 0 and eng.stats.stall_s == 0
 
 
+def test_first_block_priority_prefills_a_piece_once_the_decoding_rows_have_a_block(sdar, monkeypatch):
+    """prefill.priority: first_block (issue 31 item 2: the first piece's requests get their first block before the
+    rest are prefilled): no prefill forward while a decoding row is still in its first block, one piece at a time;
+    the same tokens as the default, which prefills every waiting piece before anything decodes."""
+    from compiledllm.engine.session import EngineSession
+
+    prompts = prompts_of([30, 25, 31, 28, 27, 29], sdar.config.vocab_size, seed=4)
+    calls = []  # per prefill call: (decoding rows still in their first block, whether every piece runs)
+    real = EngineSession._prefill
+
+    def spy(self, prefilling, everyone):
+        waiting = [s for s, o in enumerate(self._owner) if o is not None and o.prefill.left == 0
+                   and o.first_block is None and self.st.active[s]]
+        calls.append((len(waiting), everyone))
+        return real(self, prefilling, everyone)
+
+    monkeypatch.setattr(EngineSession, "_prefill", spy)
+    outs = {}
+    for priority in ("throughput", "first_block"):
+        calls.clear()
+        eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=12, batch_size=6, prefill_chunk=32, prefill_tokens=64,
+                                        ignore_eos=True, prefill_priority=priority))
+        outs[priority] = [r.output_ids for r in eng.generate(prompts)]
+        if priority == "throughput":
+            assert calls[0] == (0, True)  # everyone: all three pieces before any decode step
+        else:
+            assert all(n == 0 and not everyone for n, everyone in calls) and len(calls) == 3  # a piece at a time
+    assert outs["first_block"] == outs["throughput"] == alone(sdar, prompts, ignore_eos=True)
+    with pytest.raises(UserError, match="prefill.priority: one of throughput, first_block, got 'soon'"):
+        EngineConfig(POLICY, max_new_tokens=4, prefill_priority="soon")
+
+
 def test_ignore_eos_decodes_every_request_to_its_length(sdar):
     prompts = prompts_of([20, 30], sdar.config.vocab_size)
     base = EngineConfig(POLICY, max_new_tokens=12, batch_size=2)
