@@ -95,7 +95,9 @@ class Prefiller:
         self.model, self.block, self.max_tokens, self.slots = model, block, max_tokens, slots
         self.chunks = chunk_buckets(chunk, block)
         most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
-        rows = sorted(r for r in (row_sizes or [1 << i for i in range(most.bit_length())]) if r <= most)
+        # powers of two, and the most that fit (a forward that fills the budget: e.g. just over half a burst, the first
+        # piece of prefill.priority first_block)
+        rows = sorted(r for r in (row_sizes or {1 << i for i in range(most.bit_length())} | {most}) if r <= most)
         self.row_sizes = rows or [1]
         self.layers = None
         if compiled:

@@ -62,6 +62,11 @@ def test_rows_per_prefill_forward_follow_the_chunk_their_prompts_need():
     progress = {s: Progress(0, n) for s, n in left.items()}
     assert pre.pieces(sorted(left), progress) == [(0, 2), (2, 2), (4, 4), (9, 1)]
     assert pre.pieces([0, 1, 3, 4, 5, 6, 7], progress) == [(0, 2), (3, 4), (7, 1)]
+    # the most rows that fit is a row size too: 65 x 128 tokens, just over half of issue 31's 128 x 128 burst
+    half = Prefiller(None, block=4, chunk=128, max_tokens=65 * 128)
+    assert half.row_sizes == [1, 2, 4, 8, 16, 32, 64, 65]
+    burst = {s: Progress(0, 128) for s in range(128)}
+    assert half.pieces(range(128), burst)[:2] == [(0, 65), (65, 32)]
 
 
 def test_short_prompts_share_one_prefill_forward(sdar):

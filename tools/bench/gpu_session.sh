@@ -138,10 +138,13 @@ if has attnpre; then  # issue 31 item 5: attention of prefill chunks (4,096 quer
     | tee "$OUT/bench_attention_prefill.log" | tail -16
 fi
 if has prefirst; then  # issue 31 items 2, 5: the SDAR-4B workload under the defaults (prefill compiled), then with
-  # prefill.compile=false in the same call (its decode graphs then warm in Inductor's cache)
-  for pc in auto false; do
-    timeout -k 20 ${PREFIRST_TIMEOUT:-240} python3 -m compiledllm bench recipes/bench_sdar4b.yaml --set prefill.compile=$pc \
-      --prompt-len 128 --output-len ${PREFIRST_OUTPUT:-1024} --batch 128 --out "$OUT/prefirst_sdar4b_$pc.json" 2>&1 \
+  # prefill.compile=false in the same call (its decode graphs then warm in Inductor's cache), then (form "first")
+  # prefill.priority=first_block with a first forward of 65 of the 128 prompts (PREFIRST_FORMS picks and orders them)
+  for form in ${PREFIRST_FORMS:-auto false first}; do
+    sets="--set prefill.compile=$form"
+    [ $form = first ] && sets="--set prefill.priority=first_block --set prefill.tokens=8320"
+    timeout -k 20 ${PREFIRST_TIMEOUT:-240} python3 -m compiledllm bench recipes/bench_sdar4b.yaml $sets \
+      --prompt-len 128 --output-len ${PREFIRST_OUTPUT:-1024} --batch 128 --out "$OUT/prefirst_sdar4b_$form.json" 2>&1 \
       | grep --line-buffered -v -i warn | tail -4
   done
 fi
