@@ -240,3 +240,34 @@ def test_kernel_groups_of_a_recorded_table():
     assert group_of("triton_poi_fused__unsafe_view_add_view_8") == "Inductor's fused elementwise"
     assert group_of("void at::native::vectorized_elementwise_kernel<4>") == "other"
     assert groups["routed experts (gate-up, down)"]["ms"] == pytest.approx(11.54, abs=0.01)  # as docs/results.md says
+
+
+def test_sync_points_counts_the_debug_modes_warnings_by_line(tmp_path):
+    """sync_points.py groups torch's sync debug warnings by the line that made them, others left out; on the CPU a
+    HERALD host-form session runs through it and finds none (nothing to synchronise with)."""
+    import json
+    import os
+    import subprocess
+    import warnings
+
+    from sync_points import ROOT, count_sync_points
+
+    def record(message, filename, lineno):
+        return warnings.WarningMessage(message, UserWarning, filename, lineno)
+
+    here = str(ROOT / "compiledllm" / "kv" / "offload.py")
+    records = [record("called a synchronizing CUDA operation", here, 336),
+               record("called a synchronizing CUDA operation", here, 336),
+               record("called a synchronizing CUDA operation", "/elsewhere/x.py", 7),
+               record("something else", here, 1)]
+    assert count_sync_points(records) == {"compiledllm/kv/offload.py:336": 2, "/elsewhere/x.py:7": 1}
+    out = tmp_path / "sp.json"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "sync_points.py"),
+                          str(ROOT / "recipes" / "quickstart.yaml"), "--set", "policy.name=herald", "--set",
+                          "policy.pool=host", "--set", "policy.retrieval=scan", "--set", "policy.budget=0.3",
+                          "--prompt-len", "100", "--batch", "2", "--output-len", "16", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["decode_steps"] > 0 and report["sync_points"] == [] and report["device"] == "cpu"

@@ -33,6 +33,7 @@
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
 # once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # exportbench (a CUDA export of the quickstart model timed against the live engine, same call),
+# syncs (issue 27: tools/bench/sync_points.py, the decode loop's synchronising calls by line, Dense and HERALD's host form),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
 # recipes/eval_flash.yaml on CUDA; FLASHYARD_SETS: more --set overrides, e.g. "--set compile=false"),
 # trainll (issue 28 item 0: tiny-llada fine-tuned further; its weights in $OUT/pkg), trainblock (issue 29 item 5: the
@@ -355,6 +356,15 @@ print('\n'.join(json.dumps({'ids': [r.randrange(2, 150000) for _ in range(${HERA
 print('$p', d['steps'], 'steps, wall', round(d['wall_ms']), 'ms;', '; '.join(
     f\"{r['phase'].split(' (')[0]} {r['total_ms']:.0f}\" + (f\" ({r['per_step_ms']:.2f}/step)\" if r['per_step_ms'] else '')
     for r in d['phases']))"
+  done
+fi
+if has syncs; then  # issue 27: where the host waits for the GPU in a decode loop (torch's sync debug mode, by source
+  # line, per decode step; tools/bench/sync_points.py), Dense against HERALD's host form, SYNCS_LEN-token prompts
+  for p in ${SYNCS_POLICIES:-threshold herald_host8w}; do
+    herald_sets $p
+    env $envs timeout -k 20 ${SYNCS_TIMEOUT:-240} python3 tools/bench/sync_points.py recipes/bench_block48_standard.yaml \
+      --set compile=false $sets --prompt-len ${SYNCS_LEN:-8000} --batch ${SYNCS_BATCH:-8} --output-len 64 \
+      --out "$OUT/sync_points_$p.json" 2>&1 | grep --line-buffered -v -i warn | tail -16
   done
 fi
 if has trainll; then  # issue 28 item 0: tiny-llada fine-tuned from the shipped weights, a fresh schedule of a fixed
