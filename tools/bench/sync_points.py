@@ -25,6 +25,7 @@ import torch
 
 from compiledllm.bench import synthetic_prompts
 from compiledllm.engine import Engine, EngineConfig
+from compiledllm.engine.request import working_length
 from compiledllm.recipe import check_policy, load_recipe
 from compiledllm.runner import load_from_spec
 
@@ -59,7 +60,8 @@ def main() -> None:
     check_policy(recipe)
     model = load_from_spec(recipe.model)
     engine = Engine(model, EngineConfig.from_recipe(recipe))
-    session = engine.session(args.batch, args.prompt_len + args.output_len + 2 * engine.block)  # start-up: not counted
+    need = working_length(args.prompt_len, args.output_len, engine.block, engine.policy.first_block(args.prompt_len))
+    session = engine.session(args.batch, need)  # its start-up (compile, capture) is not counted
     for i, prompt in enumerate(synthetic_prompts(model, args.batch, args.prompt_len, 0)):
         session.add(i, prompt)
     cuda = model.device.type == "cuda"
