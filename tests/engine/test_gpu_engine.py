@@ -127,16 +127,21 @@ def test_sampling_inside_captured_steps_equals_eager(tmp_path, compile):
     assert [r.output_ids for r in eager] != [r.output_ids for r in generate(model, ps, POLICIES[1], batch_size=4, **kw)]
 
 
+def long_prompts(tmp_path, seed: int):
+    """A float32 CUDA model and four prompts of 90-1,500 tokens (several prefill chunks of 512 each)."""
+    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
+    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    return model, [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+
+
 def test_gpu_compiled_prefill_equals_eager(tmp_path, monkeypatch):
     """prefill.compile on CUDA: the full chunk forwards through compiled regions (static shapes per (rows, C),
     compiled by the start-up's warm-up) give the eager prefill's tokens (float32: Inductor's fusions round bf16
     differently); forced here for forwards of every size (by default >= COMPILE_MIN_TOKENS)."""
     import compiledllm.engine.prefill as prefill
 
-    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
-    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+    model, ps = long_prompts(tmp_path, seed=5)
     kw = dict(max_new_tokens=13, batch_size=4, compile=False, prefill_chunk=512, prefill_tokens=2048)
     monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)
     runs = {}
@@ -159,10 +164,7 @@ def test_gpu_compiled_prefill_through_the_selection_stores(tmp_path, monkeypatch
     before it compiles these stores' prefill too (the host pool's: 1.24x its eager prefill on an H100, 2026-12-07)."""
     import compiledllm.engine.prefill as prefill
 
-    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
-    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+    model, ps = long_prompts(tmp_path, seed=7)
     kw = dict(max_new_tokens=13, batch_size=4, compile=False, prefill_chunk=512, prefill_tokens=2048, ignore_eos=True)
     monkeypatch.setattr(prefill, "COMPILE_MIN_TOKENS", 0)  # forced for forwards of every size
     outs = {}
@@ -179,10 +181,7 @@ def test_gpu_compiled_batched_prefill_and_interleaving_equal_eager(tmp_path):
     alone."""
     from compiledllm.engine import EngineConfig
 
-    ckpt = write_checkpoint(tmp_path / "long", "llada2", 13, head_dim=64, max_position_embeddings=4096)
-    model = compiledllm.load_model(ckpt, device="cuda", dtype=torch.float32)
-    g = torch.Generator().manual_seed(3)
-    ps = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (1500, 700, 1100, 90)]
+    model, ps = long_prompts(tmp_path, seed=3)
     policy = POLICIES[0]
     kw = dict(max_new_tokens=13, prefill_chunk=512, prefill_tokens=2048)
     eager = Engine(model, EngineConfig(policy, batch_size=4, cuda_graphs=False, **kw)).generate(ps)

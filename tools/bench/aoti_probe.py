@@ -67,6 +67,11 @@ def outside(pname: str) -> bool:
     return bool(PACKAGES[pname]) and PACKAGES[pname].get("aot_inductor.package_constants_in_so") is False
 
 
+def package_path(tmp: Path, pname: str) -> Path:
+    """Where package form `pname` is written: a bare .so for the legacy form, else a .pt2 archive."""
+    return tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2")
+
+
 def loader(pname: str, kw: str) -> str:
     """The child's load call for package form `pname` (the legacy .so takes no keyword arguments)."""
     if PACKAGES[pname] is None:
@@ -227,7 +232,7 @@ def main() -> None:
     if os.path.isabs(own):  # (a bare name: the compiler has no shared libstdc++ of its own)
         LOADS["preload_stdcxx"] = ("", "", {"LD_PRELOAD": own})
     for pname in args.packages.split(","):
-        path = tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2")
+        path = package_path(tmp, pname)
         t = time.perf_counter()
         err = export(model, x, path, pname)
         entry = {"configs": PACKAGES[pname], "private_libs": pname in PRIVATE,
@@ -254,7 +259,7 @@ def main() -> None:
         if load:
             print(f"{pname} crash, Python frames: " + " | ".join(entry["loads"][load]["stack"]))
             rec["native"] = {"package": pname, "load": load, **native(
-                tmp / (f"{pname}.so" if PACKAGES[pname] is None else f"{pname}.pt2"), tmp / "data.pt", load,
+                package_path(tmp, pname), tmp / "data.pt", load,
                 args.device, pname)}
             print("\n".join(rec["native"].get("ldd", []) + rec["native"]["frames"]), flush=True)
             Path(args.out).write_text(json.dumps(rec, indent=1))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from compiledllm.bench import synthetic_prompts
-from compiledllm.engine import Engine, EngineConfig
+from compiledllm.engine import Engine
 from compiledllm.engine.request import working_length
 from compiledllm.recipe import check_policy, load_recipe
 from compiledllm.runner import load_from_spec
@@ -59,7 +59,7 @@ def main() -> None:
                                                    f"batch_size={args.batch}", "generation.ignore_eos=true"])
     check_policy(recipe)
     model = load_from_spec(recipe.model)
-    engine = Engine(model, EngineConfig.from_recipe(recipe))
+    engine = Engine.from_recipe(model, recipe)
     need = working_length(args.prompt_len, args.output_len, engine.block, engine.policy.first_block(args.prompt_len))
     session = engine.session(args.batch, need)  # its start-up (compile, capture) is not counted
     for i, prompt in enumerate(synthetic_prompts(model, args.batch, args.prompt_len, 0)):
