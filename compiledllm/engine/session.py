@@ -188,9 +188,9 @@ class EngineSession:
         owner, st, policy = self._owner, self.st, self.policy
         prefilling = [s for s, o in enumerate(owner) if o is not None and o.prefill.left > 0]
         decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
-        turn = prefill_turn(self.engine.config.prefill_priority, len(decoding),
-                            sum(owner[s].first_block is None for s in decoding))
-        if prefilling and turn is not None:
+        turn = prefilling and prefill_turn(self.engine.config.prefill_priority, len(decoding),
+                                           sum(owner[s].first_block is None for s in decoding))
+        if turn:  # (the rows in their first block are counted only while prompts wait)
             t = time.perf_counter()
             ready += self._prefill(prefilling, everyone=turn == "all")
             if decoding:  # those rows waited for this forward before their next step
