@@ -413,6 +413,7 @@ def profile(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value."),
     record_steps: int = typer.Option(5, "--record-steps", min=1, help="Steps torch.profiler records in the trace "
                                      "(after skipping one and warming up one); the whole run is timed per phase."),
+    trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
     """Run RECIPE eagerly, profiled; print where the run's time goes, per phase, and write a short trace."""
@@ -427,7 +428,7 @@ def profile(
         if out.exists() and not out.is_dir():
             raise UserError(f"--out: {out} is a file; profile writes a folder (trace.json.gz, profile.json, "
                             "profile.png)")
-        res = profile_recipe(recipe, out, with_flags(set_, threads=threads), record_steps)
+        res = profile_recipe(recipe, out, with_flags(set_, trust_exported, threads), record_steps)
     except UserError as e:
         fail(str(e))
     t = Table(title=title(res.summary, res.steps), caption=f"a step: one of the {res.steps} {STEPS_MEANING}; "
@@ -801,6 +802,7 @@ def bench(
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Output tokens/s and p50 latency "
                                         "against batch size, one line per prompt length."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: key.path=value (repeatable)."),
+    trust_exported: bool = typer.Option(False, "--trust-exported", help=TRUST_HELP),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
 ) -> None:
     """Measure RECIPE end to end as served: throughput and latency per (prompt length, output length, batch).
@@ -845,7 +847,7 @@ def bench(
                         write_files([("--out", kept, json.dumps(report, indent=2) + "\n")])
 
                 try:
-                    report = run_bench(recipe, with_flags(set_, threads=threads), settings,
+                    report = run_bench(recipe, with_flags(set_, trust_exported, threads), settings,
                                        on_start=lambda n: bar.update(task, total=n),
                                        on_progress=lambda s: bar.update(task, description=s), on_point=point_done,
                                        on_startup=StartupRow(bar))

@@ -100,14 +100,14 @@ def test_exported_engine_matches_eager(exported):
 
 @pytest.mark.slow
 def test_bench_measures_an_exported_engine(exported):
-    """`compiledllm bench` runs an exported engine as it runs the live one (it died counting its parameters)."""
+    """`compiledllm bench --trust-exported` runs an exported engine as it runs the live one (it died counting its
+    parameters)."""
     from safetensors.torch import load_file
 
     tmp, path = exported[0], exported[1]
     out = tmp / "bench_exported.json"
-    res = runner.invoke(app, ["bench", str(path), "--set", f"model.path={tmp / 'exp'}", "--set",
-                              "model.trust_exported=true", "--prompt-len", "8", "--output-len", "8", "--batch", "2",
-                              "--out", str(out)])
+    res = runner.invoke(app, ["bench", str(path), "--set", f"model.path={tmp / 'exp'}", "--trust-exported",
+                              "--prompt-len", "8", "--output-len", "8", "--batch", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     weights = load_file(str(tmp / "exp" / json.loads((tmp / "exp" / "compiledllm_export.json").read_text())[
