@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,12 +45,13 @@ from compiledllm.kv.store import DeviceKV
 class Scanned:
     """A CPU scan's result for the rows it selected for: store slots first + rows[i], their keep counts [m] and the
     gathered K and V (or V alone) of every selecting layer, [2 or 1, L, m, KVH, k, D] on the host (pinned on CUDA):
-    only those rows cross to the device, in one copy."""
+    only those rows cross to the device, in one copy (started early by `OffloadKV.upload`: then staged is that copy)."""
 
     first: int
     rows: list[int]
     keep: torch.Tensor
     staged: torch.Tensor
+    ready: torch.cuda.Event | None = None  # staged is on the device once this event has passed (`upload`)
 
     @property
     def slots(self) -> list[int]:
@@ -90,6 +91,13 @@ class _Shared:
         self.held: list[int | None] = [None] * slots
         self.of = torch.zeros(slots, dtype=torch.long, device=device)
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
+        # scratch caches given back while their prefix copy was in flight: free once it has ended (`reap`)
+        self.releasing: list[tuple[int, torch.cuda.Event]] = []
+        # the block copies to the host and the selections' copies to the device run on streams of their own, so
+        # that PCIe overlaps the steps instead of queueing on the compute stream (HERALD's dual-stream pipeline)
+        cuda = device.type == "cuda"
+        self.down = torch.cuda.Stream(device) if cuda else None
+        self.up = torch.cuda.Stream(device) if cuda else None
         # slot -> its row of the host pools: a slot move swaps two entries instead of copying a row's whole prefix
         self.host_row = list(range(slots))
         self.writes: list[Callable[[], None]] = []
@@ -104,6 +112,13 @@ class _Shared:
         now = time.perf_counter()
         self.worker_seconds[part] = self.worker_seconds.get(part, 0.0) + now - t0
         return now
+
+    def reap(self) -> None:
+        """The scratch caches whose prefix copy has ended since they were given back: free again."""
+        if self.releasing:
+            done = [e.query() for _, e in self.releasing]
+            self.free += [c for (c, _), d in zip(self.releasing, done) if d]
+            self.releasing = [r for r, d in zip(self.releasing, done) if not d]
 
     def flush(self) -> None:
         """Write every issued block copy into the host pool (waiting for its transfer)."""
@@ -206,6 +221,7 @@ class OffloadKV(SelectionStore):
         """Lend slot `slot` (of the whole store) a scratch cache for its prefill; False: none is free."""
         lend = self.shared
         if lend.held[slot] is None:
+            lend.reap()
             if not lend.free:
                 return False
             lend.held[slot] = lend.free.pop(0)
@@ -217,14 +233,20 @@ class OffloadKV(SelectionStore):
 
     @_timed
     def release(self, slot: int) -> None:
-        """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection)."""
+        """Give slot `slot`'s scratch cache back (once it reads a selection). The copy out of the cache into the host
+        pool must end before another row writes it: while it is in flight the cache waits in `releasing`, and the
+        engine thread goes on (it waited here for the copy before: 0.58 s of a 12 s decode at 32K, B 64)."""
         lend = self.shared
-        if lend.held[slot] is not None:
-            event = lend.pending.pop(slot, None)
-            if event is not None:
-                event.synchronize()  # the copy out of the scratch cache must end before another row writes it
-            lend.free.append(lend.held[slot])
-            lend.held[slot] = None
+        cache = lend.held[slot]
+        if cache is None:
+            return
+        lend.held[slot] = None
+        event = lend.pending.get(slot)
+        if event is None or event.query():
+            lend.pending.pop(slot, None)
+            lend.free.append(cache)
+        else:  # (pending keeps the event: a scan of this slot's pool row still waits for it)
+            lend.releasing.append((cache, event))
 
     free = release  # a vacated slot (the session's call) gives its scratch back
 
@@ -333,16 +355,22 @@ class OffloadKV(SelectionStore):
         if not slots:
             return
         at = torch.tensor([[self.size.block_rows + s * (B + 1), start] for s, start in zip(slots, block)])
-        src = (at[:, :1] + (at[:, 1:] + torch.arange(B)) % B).to(self.device)  # [rows, B]
+        src = (at[:, :1] + (at[:, 1:] + torch.arange(B)) % B).to(self.device, non_blocking=True)  # [rows, B]
         pairs = self._host_pairs()
         staged = torch.stack([t[:, src] for t, _ in pairs])  # [K and V, or V, L, rows, B, KVH, D]
         cuda = self.device.type == "cuda"
         out = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=cuda)
-        out.copy_(staged, non_blocking=cuda)
         event = None
-        if cuda:
+        if cuda:  # the transfer on the store's down stream, after the gather (the next step may refill the buffers)
+            down = self.shared.down
+            down.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(down):
+                out.copy_(staged, non_blocking=True)
+            staged.record_stream(down)
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(down)
+        else:
+            out.copy_(staged)
         ends = [min(start + B, self.capacity) for start in block]
         rows = [self.shared.host_row[s] for s in slots]  # (a move flushes the writes before it swaps rows)
 
@@ -449,15 +477,33 @@ class OffloadKV(SelectionStore):
         if not pick:
             return
         staged = scanned.staged  # [K and V or V, L, m, KVH, k, D]
-        x = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
-        x.copy_(staged, non_blocking=True)  # one transfer (pinned on CUDA)
-        at = torch.tensor(pick, device=self.device)
-        rows = torch.tensor([slots[i] for i in pick], device=self.device)
+        if scanned.ready is not None:  # uploaded already: the device waits for the copy's end, the host does not
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(scanned.ready)
+            staged.record_stream(stream)
+            x = staged
+        else:
+            x = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+            x.copy_(staged, non_blocking=True)  # one transfer (pinned on CUDA)
+        at = torch.tensor(pick).to(self.device, non_blocking=True)
+        rows = torch.tensor([slots[i] for i in pick]).to(self.device, non_blocking=True)
         base = self.size.scratch_rows + ((1 - self.region[rows]) * self.size.slots + rows) * self.per_row
         dest = base[:, None] + torch.arange(staged.shape[4], device=self.device)  # [picked, k]: their idle regions
         for t, new in zip(self.pools[2 - staged.shape[0]:], x[:, :, at]):  # [K, V] or [V]
             t[:, dest] = new.transpose(2, 3).to(t.dtype)  # [L, picked, k, KVH, D]
-        self.kept[rows] = scanned.keep[pick].to(self.device)
+        self.kept[rows] = scanned.keep[pick].to(self.device, non_blocking=True)
+
+    def upload(self, scanned: Scanned) -> Scanned:
+        """A finished scan's staged K/V sent to the device now, on the store's up stream (CUDA), while the steps run:
+        the Scanned that `place` reads, at the boundary, without a transfer on the compute stream. Elsewhere: as is."""
+        if self.device.type != "cuda" or scanned.ready is not None:
+            return scanned
+        with torch.cuda.stream(self.shared.up):
+            x = torch.empty(scanned.staged.shape, dtype=scanned.staged.dtype, device=self.device)
+            x.copy_(scanned.staged, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return replace(scanned, staged=x, ready=ready)
 
     def select_next_keys(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor,
                          keep: torch.Tensor) -> None:

@@ -252,7 +252,7 @@ class HeraldPolicy(HostPool, MagePolicy):
             n = host.st.active.shape[0]
             h.update(bstep=[0] * n, full=[True] * n, ready=[False] * n, rows=(), pending=[None] * n,
                      drafted=[False] * n, drafting=(), draft_forwards=0, stall_s=0.0, scans=0, scan_s=0.0,
-                     boundary_s=0.0, draft_s=0.0, waiting=set())
+                     boundary_s=0.0, draft_s=0.0, waiting=set(), uploads={})
         return h
 
     def schedule(self, step):
@@ -285,6 +285,8 @@ class HeraldPolicy(HostPool, MagePolicy):
         selected = [s for s in h["rows"] if h["full"][s] and h["bstep"][s] == 0]  # ran MAGE's select step
         for s in h["rows"]:
             h["bstep"][s] += 1
+        if self.host_pool:
+            self.host_upload(host, report.active)
         if self.fetch:
             self.host_fetched(host, selected)
         if drafted:  # the draft's K/V is in place: prepare the next block's selection (a scan made it already)

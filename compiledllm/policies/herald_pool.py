@@ -137,12 +137,26 @@ class HostPool:
             return
         h = self._rows(host)
         t = time.perf_counter()
-        scanned = job.result()
+        scanned = h["uploads"].get(job) or job.result()
         h["stall_s"] += time.perf_counter() - t
         waiting = [s for s in scanned.slots if h["pending"][s] is job]
         host.kv.place(scanned, waiting)
         for s in waiting:
             h["pending"][s] = None
+        if not any(p is job for p in h["pending"]):
+            h["uploads"].pop(job, None)
+
+    def host_upload(self, host, active: list[bool]) -> None:
+        """The scans that have ended since the last step: their selections start for the device now (kv.upload), so
+        the transfer overlaps the next steps instead of stalling the compute stream at the boundary. Only for scans
+        an active row waits for (a finished request's lookahead is never placed; its device copy is dropped)."""
+        h = self._rows(host)
+        live = {h["pending"][s] for s, a in enumerate(active) if a and h["pending"][s] is not None}
+        for job in [j for j in h["uploads"] if j not in live]:
+            del h["uploads"][job]
+        for job in live:
+            if job.done() and job not in h["uploads"] and job.exception() is None:
+                h["uploads"][job] = host.kv.upload(job.result())
 
     def host_stats(self, host) -> dict:
         """The draft forwards (lookahead); the host pool's scans (or value gathers): how many, their CPU seconds (on
