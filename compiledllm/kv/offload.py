@@ -91,8 +91,6 @@ class _Shared:
         self.held: list[int | None] = [None] * slots
         self.of = torch.zeros(slots, dtype=torch.long, device=device)
         self.pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefix copy to the host pool, in flight
-        # scratch caches given back while their prefix copy was in flight: free once it has ended (`reap`)
-        self.releasing: list[tuple[int, torch.cuda.Event]] = []
         # the block copies to the host and the selections' copies to the device run on streams of their own, so
         # that PCIe overlaps the steps instead of queueing on the compute stream (HERALD's dual-stream pipeline)
         cuda = device.type == "cuda"
@@ -112,13 +110,6 @@ class _Shared:
         now = time.perf_counter()
         self.worker_seconds[part] = self.worker_seconds.get(part, 0.0) + now - t0
         return now
-
-    def reap(self) -> None:
-        """The scratch caches whose prefix copy has ended since they were given back: free again."""
-        if self.releasing:
-            done = [e.query() for _, e in self.releasing]
-            self.free += [c for (c, _), d in zip(self.releasing, done) if d]
-            self.releasing = [r for r, d in zip(self.releasing, done) if not d]
 
     def flush(self) -> None:
         """Write every issued block copy into the host pool (waiting for its transfer)."""
@@ -221,7 +212,6 @@ class OffloadKV(SelectionStore):
         """Lend slot `slot` (of the whole store) a scratch cache for its prefill; False: none is free."""
         lend = self.shared
         if lend.held[slot] is None:
-            lend.reap()
             if not lend.free:
                 return False
             lend.held[slot] = lend.free.pop(0)
@@ -233,20 +223,17 @@ class OffloadKV(SelectionStore):
 
     @_timed
     def release(self, slot: int) -> None:
-        """Give slot `slot`'s scratch cache back (once it reads a selection). The copy out of the cache into the host
-        pool must end before another row writes it: while it is in flight the cache waits in `releasing`, and the
-        engine thread goes on (it waited here for the copy before: 0.58 s of a 12 s decode at 32K, B 64)."""
+        """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection). It
+        waits for the prefix copy: lending the cache again only once that copy ended (not waiting) spread the
+        admissions out, and each group of rows out of step with the others costs select and draft steps of its own
+        (twenty-third session: 25 select and 116 draft steps against 8 and 59, decode 0.78x, 32K B 64 on an H100)."""
         lend = self.shared
-        cache = lend.held[slot]
-        if cache is None:
-            return
-        lend.held[slot] = None
-        event = lend.pending.get(slot)
-        if event is None or event.query():
-            lend.pending.pop(slot, None)
-            lend.free.append(cache)
-        else:  # (pending keeps the event: a scan of this slot's pool row still waits for it)
-            lend.releasing.append((cache, event))
+        if lend.held[slot] is not None:
+            event = lend.pending.pop(slot, None)
+            if event is not None:
+                event.synchronize()  # the copy out of the scratch cache must end before another row writes it
+            lend.free.append(lend.held[slot])
+            lend.held[slot] = None
 
     free = release  # a vacated slot (the session's call) gives its scratch back
 

@@ -67,32 +67,3 @@ def test_device_keys_copy_only_the_values():
     for j, layer in enumerate(kv.selecting_layers):
         assert torch.equal(kv.host_v[j][1, :, :B], block_of(kv, kv.v[layer], 1, 0))
     assert kv.host_k is None
-
-
-class FakeCopy:
-    """A prefix copy to the host pool that has (done) or has not yet ended: what release and admit query."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
-def test_a_scratch_cache_whose_copy_is_in_flight_is_lent_again_only_after_it_ends():
-    kv = store()  # one scratch cache
-    assert kv.admit(0) and not kv.admit(1)
-    copy = FakeCopy()
-    kv.shared.pending[0] = copy  # slot 0's prefix still on its way to the host pool
-    kv.release(0)  # returns at once: the engine thread does not wait for the copy
-    assert not kv.holds_scratch(0) and not copy.done
-    assert not kv.admit(1)  # another row would overwrite what the copy still reads
-    assert kv.shared.pending[0] is copy  # a scan of slot 0's pool row still waits for it
-    copy.done = True
-    assert kv.admit(1) and kv.holds_scratch(1)
-    kv.release(1)  # nothing in flight: free at once
-    assert kv.admit(2)
-
