@@ -224,9 +224,8 @@ class OffloadKV(SelectionStore):
     @_timed
     def release(self, slot: int) -> None:
         """Give slot `slot`'s scratch cache back (once its prefix is in the host pool and it reads a selection). It
-        waits for the prefix copy: lending the cache again only once that copy ended (not waiting) spread the
-        admissions out, and each group of rows out of step with the others costs select and draft steps of its own
-        (twenty-third session: 25 select and 116 draft steps against 8 and 59, decode 0.78x, 32K B 64 on an H100)."""
+        waits for the prefix copy on purpose: not waiting spread admissions out, and rows out of step with the others
+        take select and draft steps of their own (docs/results.md, HERALD at 32K, twenty-third session)."""
         lend = self.shared
         if lend.held[slot] is not None:
             event = lend.pending.pop(slot, None)
