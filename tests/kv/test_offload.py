@@ -67,3 +67,29 @@ def test_device_keys_copy_only_the_values():
     for j, layer in enumerate(kv.selecting_layers):
         assert torch.equal(kv.host_v[j][1, :, :B], block_of(kv, kv.v[layer], 1, 0))
     assert kv.host_k is None
+
+
+class FakeCopy:
+    """A prefix copy to the host pool in flight until someone waits for it."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_release_waits_for_the_prefix_copy_so_the_cache_is_lent_at_once():
+    """A scratch cache comes back whole when its row releases it, its copy ended: the next admission takes it at once
+    (lending it only once the copy ended on its own spread HERALD's admissions out, each group then taking select and
+    draft steps of its own: docs/results.md, HERALD at 32K, twenty-third session)."""
+    kv = store()  # one scratch cache
+    assert kv.admit(0) and not kv.admit(1)
+    copy = FakeCopy()
+    kv.shared.pending[0] = copy
+    kv.release(0)
+    assert copy.done and 0 not in kv.shared.pending
+    assert kv.admit(1) and kv.holds_scratch(1)
