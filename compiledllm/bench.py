@@ -135,7 +135,7 @@ def run_point(model, config: EngineConfig, prompts: list[list[int]], arrivals: l
         "wall_s": s.wall_s, "startup_s": s.startup_s,
         "compile_cache": asdict(engine.compile_cache) if engine.compile_cache is not None else None,
         "prefill_tokens": s.prefill_tokens, "prefill_forwards": s.prefill_forwards, "prefill_s": s.prefill_s,
-        "prefill_tokens_per_s": _rate(s.prefill_tokens, s.prefill_s),
+        "prefill_tokens_per_s": _rate(s.prefill_tokens, s.prefill_s), "prefill_first_ms": 1e3 * s.prefill_first_s,
         "decode_steps": s.decode_steps, "decode_s": s.decode_s,
         "decode_tokens_per_s": _rate(s.generated_tokens, s.decode_s),
         "decode_step_ms": 1e3 * s.decode_s / max(s.decode_steps, 1),

@@ -29,6 +29,7 @@ class RunStats:
     decode_steps: int
     decode_s: float          # the decode steps and the host work around them (hooks_s)
     generated_tokens: int
+    prefill_first_s: float = 0.0  # the first prefill turn (its forwards, synchronised): before it no row decodes
     stalled_steps: int = 0   # decode steps whose rows first waited for a prefill forward of another request
     stall_s: float = 0.0     # the waiting, in total
     stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
@@ -44,6 +45,7 @@ class Counters:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     prefill_forwards: int = 0
+    prefill_first_s: float = 0.0
     decode_steps: int = 0
     decode_s: float = 0.0
     generated_tokens: int = 0

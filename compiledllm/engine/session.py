@@ -308,14 +308,17 @@ class EngineSession:
         progress = {s: owner[s].prefill for s in prefilling}
         pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, progress,
                                 everyone)
-        t = time.perf_counter()
+        t, first_turn = time.perf_counter(), self._counts.prefill_forwards == 0
         with profile_range("prefill"):
             for first, rows in pieces:
                 self._counts.prefill_tokens += self.prefiller.run(self.st, self.kv, first, rows, progress)
                 self._counts.prefill_forwards += 1
             if self.st.seq.device.type == "cuda":
                 torch.cuda.synchronize(self.st.seq.device)  # prefill time as spent, not as queued
-        self._counts.prefill_s += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self._counts.prefill_s += dt
+        if first_turn:
+            self._counts.prefill_first_s = dt
         return [s for s in prefilling if progress[s].left == 0]
 
     def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:

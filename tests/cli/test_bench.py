@@ -26,7 +26,7 @@ MODEL = {"init": "random", "config": dict(TINY_LLADA2, num_hidden_layers=2, num_
 POLICY = {"name": "threshold", "block_size": 8, "threshold": 0.9}
 POINT_KEYS = {"prompt_len", "output_len", "batch_asked", "batch", "requests", "prompt_tokens", "generated_tokens",
               "wall_s", "startup_s", "compile_cache", "prefill_tokens", "prefill_forwards", "prefill_s",
-              "prefill_tokens_per_s",
+              "prefill_tokens_per_s", "prefill_first_ms",
               "decode_steps", "decode_s", "decode_tokens_per_s", "decode_step_ms", "stalled_steps", "stall_max_ms",
               "stall_mean_ms", "output_tokens_per_s", "first_block_p50_s",
               "latency_p50_s", "latency_p90_s", "latency_p99_s", "peak_memory_bytes", "touched_experts",
