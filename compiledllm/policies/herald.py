@@ -10,7 +10,8 @@ Per row and block n (the first `dense_layers` layers always read the whole prefi
   selection and not each other; the draft's K/V is written at the block's positions (copied out by the host hook)
   and the block's tokens are decided from the block group alone, so the draft never changes a token (`draft_wait`
   W: the draft step comes at step 1 to 1 + W, rows out of step drafting in one forward; neither group sees the other,
-  so the draft's K/V and the selection it prepares do not depend on the step);
+  so the draft's K/V and the selection it prepares do not depend on the step; `draft_fold`: the rows that do not
+  draft take their step in the same forward, their draft group dead);
 * the retrieval for block n+1 (host hook after step 1, `lookahead: draft`): one forward of the representative query,
   the [MASK] at block n+1's centre (`query: block`: all its B [MASK] queries), over the full prefix with block n's
   positions read from the draft's K/V; in every selecting layer and KV head the positions before block n with the
@@ -80,6 +81,10 @@ class HeraldConfig(MageConfig):
     # a row's draft step may come up to this many steps after step 1, so that rows out of step draft in one forward
     # (the draft, its K/V and the selection it prepares are the same at any step of the block; the paper: 0)
     draft_wait: int = 0
+    # a step with drafting rows runs every row in its one 2B-token forward, the others' draft group dead (no K/V, no
+    # capture used), instead of a draft forward for the drafting rows and a decode forward for the rest: a PhaseRun
+    # computes its whole bucket anyway, so the rest's forward was a second full-batch forward (false: the two forwards)
+    draft_fold: bool = True
     # pool: host: cores for the host worker's scans and gathers (0: all but four)
     host_threads: int = 0
 
@@ -157,7 +162,9 @@ class HeraldPolicy(HostPool, MagePolicy):
                             draft=Bk if self.lookahead and not self.scan else 0)
 
     def init_state(self, batch, device):
-        state = {"draft": torch.zeros(batch, self.block_size, dtype=torch.long, device=device)}
+        state = {"draft": torch.zeros(batch, self.block_size, dtype=torch.long, device=device),
+                 # the rows whose draft group is live in a draft step (the host's choice, written before the step)
+                 "drafting": torch.zeros(batch, dtype=torch.bool, device=device)}
         if self.scan:  # the centre query's q in each selecting layer, from the draft step
             state["rep_q"] = torch.zeros(batch, len(self.layers), self.heads, self.head_dim, device=device)
         return super().init_state(batch, device) | state
@@ -170,13 +177,14 @@ class HeraldPolicy(HostPool, MagePolicy):
         B, Bk = idx.shape
         final = ((tokens == self.mask_id) & gen).sum(1) == 0  # no MASK: this forward commits the block
         live = st.active[:, None].expand(B, Bk)
+        drafts = live & st.policy["drafting"][:, None]  # the other rows take their step in the block group alone
         group = (torch.arange(2 * Bk, device=idx.device) >= Bk).int()[None]  # [block | draft]
         see = 1 << torch.arange(2, dtype=torch.int32, device=idx.device)
         spec = AttentionSpec(QueryGroups(group, see), prefix_len=st.block_start)
         commit = live & final[:, None]
-        write = torch.cat([torch.where(commit, idx, -1), torch.where(live & ~commit, idx, -1)], 1)
+        write = torch.cat([torch.where(commit, idx, -1), torch.where(drafts & ~commit, idx, -1)], 1)
         draft = torch.where(gen, st.policy["draft"], tokens)
-        groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, live, copy=1)], 1)
+        groups = torch.cat([route_groups(idx, Bk, live), route_groups(idx, Bk, drafts, copy=1)], 1)
         fwd = Forward(torch.cat([tokens, draft], 1), idx.repeat(1, 2), spec, kv_write=write,
                       logits_at=torch.arange(Bk, device=idx.device).expand(B, Bk),
                       logits_rows=self.needed(tokens, gen, st.policy), route_groups=groups)
@@ -196,8 +204,8 @@ class HeraldPolicy(HostPool, MagePolicy):
         mask = torch.full_like(centre, self.mask_id)
         return replace(fwd, tokens=torch.cat([fwd.tokens, mask], 1), positions=torch.cat([fwd.positions, centre], 1),
                        attention=spec, kv_write=torch.cat([fwd.kv_write, torch.full_like(centre, -1)], 1),
-                       route_groups=torch.cat([fwd.route_groups, route_groups(centre, Bk, st.active[:, None],
-                                                                              copy=2)], 1))
+                       route_groups=torch.cat([fwd.route_groups, route_groups(
+                           centre, Bk, (st.active & st.policy["drafting"])[:, None], copy=2)], 1))
 
     def decide(self, tokens, logits, gen, state, keys):
         masked = self.needed(tokens, gen, state)
@@ -222,7 +230,7 @@ class HeraldPolicy(HostPool, MagePolicy):
         """The K-only scan: in each selecting layer the centre query's q (from this draft step) against every key of
         [0, block end), the block's being the draft's this forward wrote; the mass of the prefix before the block
         ranks it, and the choice goes to the idle region (as the retrieval's does)."""
-        drafted = st.active & (upd.advance == 0)  # a block committed in this forward has no draft
+        drafted = st.active & st.policy["drafting"] & (upd.advance == 0)  # a block committed now has no draft
         select = kv.select_next_keys if self.device_keys else kv.select_next
         mass = self.scan_mass(st.policy["rep_q"], st.block_start + self.block_size, kv)
         select(drafted, mass, st.block_start, self.next_keep(st.block_start))
@@ -256,24 +264,30 @@ class HeraldPolicy(HostPool, MagePolicy):
         return h
 
     def schedule(self, step):
-        """Rows past their block's step 0 that have not drafted make the draft step together, once one of them is
-        `draft_wait` steps past step 1; the others "select" when one of them begins a block without a prepared
-        selection, else "decode". (Every phase is a row phase: each comes as a PhaseRun.)"""
+        """The rows `before_step` chose draft; the others "select" when one of them begins a block without a prepared
+        selection, else "decode" — folded into the draft forward (`draft_fold`) when there is one and no row selects.
+        (Every phase is a row phase: each comes as a PhaseRun.)"""
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
         h = step.state
-        step = replace(step, rows=running(h, step.rows))
-        due = [s for s in step.rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
-        wait = self.config.draft_wait
-        drafting = tuple(due) if any(h["bstep"][s] >= 1 + wait for s in due) else ()
-        h["drafting"] = drafting  # (read back by after_step)
-        rest = tuple(s for s in step.rows if s not in drafting)
+        rows, drafting = running(h, step.rows), h["drafting"]
+        rest = tuple(s for s in rows if s not in drafting)
         phase = "select" if any(h["full"][s] and h["bstep"][s] == 0 for s in rest) else "decode"
-        return tuple(PhaseRun(ph, rows) for ph, rows in (("draft", drafting), (phase, rest)) if rows)
+        if drafting and phase == "decode" and self.config.draft_fold:
+            return (PhaseRun("draft", rows),)
+        return tuple(PhaseRun(ph, rs) for ph, rs in (("draft", drafting), (phase, rest)) if rs)
 
     def before_step(self, host, step):
+        """Rows past their block's step 0 that have not drafted draft in this step, together, once one of them is
+        `draft_wait` steps past step 1: the choice goes to the device (st.policy["drafting"]) and to `schedule`."""
         h = self._rows(host)
-        h["rows"] = running(h, step.rows)
+        rows = h["rows"] = running(h, step.rows)
+        due = [s for s in rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
+        h["drafting"] = tuple(due) if any(h["bstep"][s] >= 1 + self.config.draft_wait for s in due) else ()
+        if h["drafting"]:
+            mask = torch.zeros(host.st.active.shape[0], dtype=torch.bool)
+            mask[list(h["drafting"])] = True
+            host.st.policy["drafting"].copy_(mask, non_blocking=True)
 
     def after_step(self, host, report):
         h = self._rows(host)

@@ -254,6 +254,36 @@ def test_a_later_draft_step_prepares_the_same_selections(model, form):
         assert out == first and fewer < drafts
 
 
+@pytest.mark.parametrize("form", [{}, HOST | {"scratch": 2}, DEVICE_KEYS | {"scratch": 2}],
+                         ids=["device", "host-scan", "device-keys"])
+def test_folded_draft_steps_give_the_same_tokens_in_fewer_forwards(model, form, monkeypatch):
+    """draft_fold: a step whose drafting rows are not all its rows runs one draft forward for every row (the others'
+    draft group dead) instead of a draft forward and a decode forward: the same tokens and selections as the two
+    forwards (requests admitted at different steps, so rows draft out of step), with budget 1.0 dense threshold's,
+    in fewer forwards."""
+    from compiledllm.engine import Engine, EngineConfig
+    from compiledllm.engine.stepper import Stepper
+
+    ps = prompts(model.config.vocab_size, [4, 8, 12, 16, 8])
+    calls = []
+    real = Stepper._call
+    monkeypatch.setattr(Stepper, "_call", lambda self, ph, b: calls.append(ph) or real(self, ph, b))
+
+    def go(policy):
+        calls.clear()
+        engine = Engine(model, EngineConfig(policy, max_new_tokens=16, batch_size=3, max_seq_len=32, prefill_chunk=8,
+                                            ignore_eos=True))
+        return [r.output_ids for r in engine.generate(ps)], len(calls), engine.stats.policy["draft_forwards"]
+
+    for budget in (0.3, 1.0):
+        herald = DENSE | {"name": "herald", "budget": budget} | form
+        two, forwards, drafts = go(herald | {"draft_fold": False})
+        one, fewer, same = go(herald)
+        assert one == two and same == drafts > 0
+        assert fewer < forwards, (fewer, forwards)
+    assert one == [r.output_ids for r in run(model, DENSE, 3, ps)]
+
+
 @pytest.mark.parametrize("form", [HOST, {"pool": "host"}, DEVICE_KEYS], ids=["scan", "forward", "device-keys"])
 def test_a_row_moved_down_keeps_its_host_pool_row(model, form):
     """Rows 0 and 1 finish first; row 2 moves down to slot 0 (a swap of host-pool rows, not a copy) and goes on
