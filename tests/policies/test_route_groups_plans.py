@@ -65,3 +65,16 @@ def test_flowblock_of_one_block_updates_as_t2t():
         assert torch.equal(a.advance, b.advance)
         kept = a.advance == 0  # t2t resets a finished block's counter, flowblock slides it out
         assert torch.equal(a.state["post"][kept], b.state["post"][kept, 0])
+
+
+def test_herald_draft_step_routes_and_writes_only_the_drafting_rows_drafts():
+    """A folded draft step (herald's draft_fold): every row's block group, but the draft group of the drafting rows
+    alone — the others' draft tokens route nowhere and write no K/V."""
+    pol = make_policy(policy_config({"name": "herald", "block_size": BK, "budget": 0.3}), MASK)
+    st = slots([4, 8], [3, 9], [12, 16], [True, True])
+    st.policy = pol.init_state(2, "cpu")
+    st.policy["drafting"][0] = True
+    fwd = pol.plan("draft", st)
+    block, draft = fwd.route_groups[:, :BK], fwd.route_groups[:, BK:]
+    assert (block >= 0).all() and (draft[0] >= 0).all() and (draft[1] == -1).all()
+    assert (fwd.kv_write[1, BK:] == -1).all() and (fwd.kv_write[0, BK:] >= 0).any()
