@@ -260,9 +260,9 @@ def top_positions(importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Te
     """[..., n, KVH, per_row] positions in order, padded with `pad`: per (row, KV head) the keep[n] (<= per_row)
     positions < prefix[n] of largest importance [..., n, KVH, >= prefix] (ties: the lower position).
 
-    No sort of the prefix (a captured step makes this choice for every row of its bucket, where a stable sort of
-    [L, B, KVH, 32K] took most of MAGE's select step): the keep-th largest value from a top-k, every position above
-    it, the lowest positions equal to it up to keep, compacted in position order by a running count."""
+    No sort of the whole prefix: the keep-th largest value from a top-k, every position above it, the lowest
+    positions equal to it up to keep, compacted in position order by a running count (on the CPU half the time of
+    the two stable sorts it replaced at [18, 16, 4, 33K]; on an H100 MAGE's select step took 100 ms either way)."""
     S = importance.shape[-1]
     pos = torch.arange(S, device=importance.device)
     score = importance.masked_fill(pos >= prefix[:, None, None], float("-inf"))
