@@ -82,8 +82,9 @@ class HeraldConfig(MageConfig):
     # (the draft, its K/V and the selection it prepares are the same at any step of the block; the paper: 0)
     draft_wait: int = 0
     # a step with drafting rows runs every row in its one 2B-token forward, the others' draft group dead (no K/V, no
-    # capture used), instead of a draft forward for the drafting rows and a decode forward for the rest: a PhaseRun
-    # computes its whole bucket anyway, so the rest's forward was a second full-batch forward (false: the two forwards)
+    # expert, no selection), instead of a draft forward for the drafting rows and a decode forward for the rest (false):
+    # a PhaseRun's attention and dense layers compute its whole bucket, so the second forward cost nearly a full step
+    # (H100, 32K, 64 rows: 45 ms folded against 36 + 27 ms; docs/results.md, HERALD's twenty-fourth session)
     draft_fold: bool = True
     # pool: host: cores for the host worker's scans and gathers (0: all but four)
     host_threads: int = 0
