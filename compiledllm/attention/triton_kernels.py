@@ -252,12 +252,20 @@ def attention_mass_fwd(q_ptr, kc_ptr, kw_ptr, pl_ptr, grp_ptr, see_ptr, idx_ptr,
     idx_b = idx_ptr
     if PAGED:
         idx_b += b * idx_sb
+    # a tile of rows nobody counts, or of keys past the row's prefix, is zeros without a load or a dot (a select
+    # step counts a few rows' queries over the bucket's whole capacity; the other rows' prefixes are short)
+    counted = tl.max(want.to(tl.int32), axis=0) > 0
+    live_tiles = tl.where(counted, tl.cdiv(ob, BN), 0)
+    zeros = tl.zeros([BN], dtype=tl.float32)
     for t in range(t_lo, tl.minimum(t_hi, ntp)):
         keys = t * BN + n
-        live = keys < ob
-        rows = _prefix_rows(idx_b, keys, live, PAGED)
-        k = tl.load(kb + rows[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
-        tl.store(part + keys, _mass_cols(q, k, live[None, :] & want[:, None], lse2, scale_log2), mask=keys < S)
+        if t < live_tiles:
+            live = keys < ob
+            rows = _prefix_rows(idx_b, keys, live, PAGED)
+            k = tl.load(kb + rows[:, None] * kc_st + d[None, :], mask=live[:, None], other=0.0)
+            tl.store(part + keys, _mass_cols(q, k, live[None, :] & want[:, None], lse2, scale_log2), mask=keys < S)
+        else:
+            tl.store(part + keys, zeros, mask=keys < S)
 
     grp_b = grp_ptr
     if GROUPS:
@@ -267,6 +275,9 @@ def attention_mass_fwd(q_ptr, kc_ptr, kw_ptr, pl_ptr, grp_ptr, see_ptr, idx_ptr,
     for t in range(tl.maximum(t_lo, ntp), t_hi):
         keys = (t - ntp) * BN + n
         live = keys < LQ
-        k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
-        seen = _window_seen(qr, keys, live, want, grp_b, SLOT, GROUPS)
-        tl.store(part + S + keys, _mass_cols(q, k, seen, lse2, scale_log2), mask=live)
+        if counted:
+            k = tl.load(kwb + keys[:, None] * kw_st + d[None, :], mask=live[:, None], other=0.0)
+            seen = _window_seen(qr, keys, live, want, grp_b, SLOT, GROUPS)
+            tl.store(part + S + keys, _mass_cols(q, k, seen, lse2, scale_log2), mask=live)
+        else:
+            tl.store(part + S + keys, zeros, mask=live)
