@@ -306,6 +306,7 @@ herald_sets() {  # the --set overrides (in $sets) and environment (in $envs) of 
   [ $p = herald_host8w ] && sets="$sets --set prefill.tokens=32768"  # every scratch cache's chunk in one forward
   [[ $p = herald_host8wc* ]] && sets="$sets --set prefill.tokens=32768 --set prefill.compile=true"  # its prefill compiled
   [ $p = herald_host8wc2 ] && sets="$sets --set policy.draft_fold=false"  # a drafting step's two forwards (before s24)
+  [ $p = herald_host8wcw ] && sets="$sets --set policy.draft_wait=${DRAFT_WAIT:-4}"  # groups out of step draft together
   envs=""; [ $p = herald_host8p ] && envs="OMP_WAIT_POLICY=PASSIVE"
   [ $p = herald_fetch ] && sets="$sets --set policy.pool=host --set policy.lookahead=none --set policy.retrieval=fetch"
   [ $p = herald_keysw ] && sets="$sets --set policy.retrieval=scan --set policy.pool=host --set policy.keys=device \
@@ -329,7 +330,8 @@ if has herald; then  # mage / herald (device pool, host pool): exactness on the 
   # caches for admission instead of 4; herald_host8t<N>: on N host threads; herald_host8p: OMP_WAIT_POLICY=PASSIVE;
   # herald_host8w: prefill forwards of 32,768 tokens, so the decode steps between admissions are half as many;
   # herald_host8wc: herald_host8w with its prefill compiled through the scratch caches, `prefill.compile: true`;
-  # herald_host8wc2: herald_host8wc with a drafting step's two forwards, `draft_fold: false`);
+  # herald_host8wc2: herald_host8wc with a drafting step's two forwards, `draft_fold: false`; herald_host8wcw:
+  # herald_host8wc with `draft_wait: DRAFT_WAIT` (default 4), fewer folded draft forwards);
   # phase_times (HERALD_PHASE_TIMES, default true): each decode phase's device time, in the report and a table
   for p in ${HERALD_POLICIES:-threshold mage herald herald_scan herald_hostmage herald_hostrep herald_hostfwd herald_host herald_keys}; do
     herald_sets $p
