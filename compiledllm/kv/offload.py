@@ -249,25 +249,30 @@ class OffloadKV(SelectionStore):
         self.length[r] = torch.where(rows, prefix, self.length[r])
 
     def select(self, rows: torch.Tensor, importance: torch.Tensor, prefix: torch.Tensor, keep: torch.Tensor) -> None:
-        """MAGE's selection from the rows' scratch caches (their first block): as kv/sparse.SparseKV.select."""
-        chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
+        """MAGE's selection from the rows' scratch caches (their first block): as kv/sparse.SparseKV.select. Only rows
+        that hold a scratch cache select, `scratch` at most: those are gathered (a fixed count, so that a captured step
+        keeps its shapes), not every row of the bucket (at 64 rows and 32K, 8x the K/V moved)."""
+        n = rows.shape[0]
+        at = torch.nonzero_static(rows, size=min(self.size.scratch, n), fill_value=n)[:, 0]  # [m]; n: no row
+        live, at = at < n, at.clamp(max=n - 1)
+        chosen = top_positions(importance[:, at], prefix[at], keep[at], self.per_row, self.capacity)  # [L, m, KVH, P]
         r = self._rows()
         region = self.region[r]
         for t in self.pools:
-            self._fill(t, rows, region, t, self._scratch_base(), chosen)
+            self._fill(t, live, self._region_base(region)[at], t, self._scratch_base()[at], chosen)
         self.index[r] = torch.where(rows[:, None], self._selection_index(region), self.index[r])
         self.length[r] = torch.where(rows, keep, self.length[r])
 
-    def _fill(self, t: torch.Tensor, rows: torch.Tensor, region: torch.Tensor, src: torch.Tensor, base: torch.Tensor,
+    def _fill(self, t: torch.Tensor, rows: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, base: torch.Tensor,
               chosen: torch.Tensor) -> None:
-        """In every selecting layer l, for rows where `rows` [n]: region `region` [n] of t ([L, rows, KVH, D]), KV head
-        h's j-th key := src's row base[b] + chosen[l, b, h, j] ([L, n, KVH, P] positions; the capacity: the spare
-        row)."""
+        """In every selecting layer l, for the entries b where `rows` [m]: t's rows dest[b] + j ([L, rows, KVH, D]; a
+        region), KV head h's j-th key := src's row base[b] + chosen[l, b, h, j] ([L, m, KVH, P] positions; the
+        capacity: the spare row). The other entries write t's last row back onto itself (no two entries collide)."""
         L, _, KVH, P = chosen.shape
         lay = torch.arange(L, device=self.device)[:, None, None, None]
         heads = torch.arange(KVH, device=self.device)
-        dest = self._region_base(region)[:, None] + torch.arange(P, device=self.device)  # [n, P]
-        picked = src[lay, base[None, :, None, None] + chosen, heads[:, None]].transpose(2, 3)  # [L, n, P, KVH, D]
+        dest = torch.where(rows[:, None], dest[:, None] + torch.arange(P, device=self.device), t.shape[1] - 1)
+        picked = src[lay, base[None, :, None, None] + chosen, heads[:, None]].transpose(2, 3)  # [L, m, P, KVH, D]
         at = (lay, dest[None, :, :, None], heads)
         t[at] = torch.where(rows[None, :, None, None, None], picked, t[at])
 
@@ -499,7 +504,7 @@ class OffloadKV(SelectionStore):
         chosen = top_positions(importance, prefix, keep, self.per_row, self.capacity)  # [L, n, KVH, P]
         r = self._rows()
         self.next_pos[:, r] = torch.where(rows[None, :, None, None], chosen, self.next_pos[:, r])
-        self._fill(self.pools[0], rows, 1 - self.region[r], self.kfull, self._key_base(), chosen)
+        self._fill(self.pools[0], rows, self._region_base(1 - self.region[r]), self.kfull, self._key_base(), chosen)
         self.kept[r] = torch.where(rows, keep, self.kept[r])
 
     def _ready(self, slots: list[int], n: int) -> tuple[torch.Tensor, slice]:
