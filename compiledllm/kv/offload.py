@@ -252,9 +252,8 @@ class OffloadKV(SelectionStore):
         """MAGE's selection from the rows' scratch caches (their first block): as kv/sparse.SparseKV.select. Only rows
         that hold a scratch cache select, `scratch` at most: those are gathered (a fixed count, so that a captured step
         keeps its shapes), not every row of the bucket (at 64 rows and 32K, 8x the K/V moved)."""
-        n = rows.shape[0]
-        at = torch.nonzero_static(rows, size=min(self.size.scratch, n), fill_value=n)[:, 0]  # [m]; n: no row
-        live, at = at < n, at.clamp(max=n - 1)
+        taken, at = torch.topk(rows.int(), min(self.size.scratch, rows.shape[0]))  # [m] distinct rows, selecting first
+        live = taken > 0
         chosen = top_positions(importance[:, at], prefix[at], keep[at], self.per_row, self.capacity)  # [L, m, KVH, P]
         r = self._rows()
         region = self.region[r]
