@@ -266,7 +266,8 @@ class OffloadKV(SelectionStore):
               chosen: torch.Tensor) -> None:
         """In every selecting layer l, for the entries b where `rows` [m]: t's rows dest[b] + j ([L, rows, KVH, D]; a
         region), KV head h's j-th key := src's row base[b] + chosen[l, b, h, j] ([L, m, KVH, P] positions; the
-        capacity: the spare row). The other entries write t's last row back onto itself (no two entries collide)."""
+        capacity: the spare row). The other entries write t's last row (a block buffer's spare, never a region's) back
+        onto itself, so they never touch a live entry's rows."""
         L, _, KVH, P = chosen.shape
         lay = torch.arange(L, device=self.device)[:, None, None, None]
         heads = torch.arange(KVH, device=self.device)
