@@ -170,8 +170,11 @@ def test_bad_settings_are_one_line_errors(params, message):
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager(model, compile_kw):
-    selection_cases.compiled_equals_eager(model, DENSE | {"name": "herald", "budget": 0.3}, compile_kw)
+@pytest.mark.parametrize("form", [{}, HOST | {"scratch": 2}], ids=["device", "host-scan"])
+def test_compiled_equals_eager(model, compile_kw, form):
+    """torch.compile'd steps == eager, the device pool and the host pool (its folded draft steps, the compacted
+    select in the select step's hook)."""
+    selection_cases.compiled_equals_eager(model, DENSE | {"name": "herald", "budget": 0.3} | form, compile_kw)
 
 
 @pytest.mark.gpu
