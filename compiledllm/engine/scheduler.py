@@ -34,6 +34,9 @@ class RunStats:
     stall_s: float = 0.0     # the waiting, in total
     stall_max_s: float = 0.0 # the longest wait of one step (bounded by one prefill forward)
     hooks_s: float = 0.0     # host work around the steps: the policy's hooks, collecting results (part of decode_s)
+    # the engine thread waiting in each step's one host sync for the device (part of decode_s): decode_s - hooks_s -
+    # sync_s is the host's scheduling and launching while nothing of the step was left to wait for
+    sync_s: float = 0.0
     policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
     phases: dict = field(default_factory=dict)  # per decode phase: runs, uncaptured runs, device seconds (phase_times)
 
@@ -53,6 +56,7 @@ class Counters:
     stall_s: float = 0.0
     stall_max_s: float = 0.0
     hooks_s: float = 0.0
+    sync_s: float = 0.0
 
     def hooks(self, since: float) -> None:
         """Host-hook time since `since` (perf_counter): counted as decode time too."""

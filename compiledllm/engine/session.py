@@ -212,7 +212,9 @@ class EngineSession:
         schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
                           {s: owner[s].work_len for s in decoding}, self.host.state)
         self.stepper.run(1 + max(decoding), schedule, st.selected, self.timer)
+        sync = time.perf_counter()
         report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
+        self._counts.sync_s += time.perf_counter() - sync
         if self.timer is not None:
             self.timer.collect()
         st.retired.zero_()

@@ -105,6 +105,7 @@ def test_prefill_interleaved_with_decoding_keeps_every_rows_tokens(sdar):
     # the later requests' chunks made decoding rows wait: one forward per step at most, counted as such
     assert 0 < s.stalled_steps <= s.prefill_forwards and 0 < s.stall_max_s <= s.stall_s <= s.prefill_s
     assert 0 < s.prefill_first_s < s.prefill_s  # the first turn: the two requests arriving at 0, not the later ones
+    assert 0 < s.sync_s and s.sync_s + s.hooks_s < s.decode_s  # the steps' host syncs: a part of the decode time
 
 
 def test_prefill_of_requests_arriving_together_stalls_no_decode_step(sdar):
