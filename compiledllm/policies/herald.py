@@ -285,10 +285,9 @@ class HeraldPolicy(HostPool, MagePolicy):
         rows = h["rows"] = running(h, step.rows)
         due = [s for s in rows if self.lookahead and h["bstep"][s] >= 1 and not h["drafted"][s]]
         h["drafting"] = tuple(due) if any(h["bstep"][s] >= 1 + self.config.draft_wait for s in due) else ()
-        if h["drafting"]:
-            mask = torch.zeros(host.st.active.shape[0], dtype=torch.bool)
-            mask[list(h["drafting"])] = True
-            host.st.policy["drafting"].copy_(mask, non_blocking=True)
+        if h["drafting"]:  # (a CPU mask: a captured step reads the device copy)
+            on = row_mask(torch.empty(host.st.active.shape[0], dtype=torch.bool), list(h["drafting"]))
+            host.st.policy["drafting"].copy_(on, non_blocking=True)
 
     def after_step(self, host, report):
         h = self._rows(host)
