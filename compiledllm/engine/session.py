@@ -17,7 +17,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,7 @@ class _Request:
     first_block: float | None = None
     sent: int = 0                     # generated tokens already reported in BlockEvents
     work_len: int = 0                 # its working sequence (st.work_len), set when it takes a slot
+    out: list[int] = field(default_factory=list)  # its final tokens read so far (BlockEvents; a stop string's block)
 
 
 class EngineSession:
@@ -91,6 +92,8 @@ class EngineSession:
         self._owner: list[_Request | None] = [None] * slots
         self._cancel: set[int] = set()
         self._begun: list[int] = []                    # slots that begin a block with the next step
+        self._inflight: tuple[list[int], float] | None = None  # a launched step's rows and launch time, until its sync
+        self.overlap = engine.overlap and self.policy.host_free
         self._admitted = 0
         self._counts = Counters()
         self.timer = PhaseTimer(self.model.device) if cfg.phase_times else None
@@ -178,9 +181,32 @@ class EngineSession:
     # --- one step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
+        """One step: the host's turn (cancellations, admission, compaction, prefill, hooks) and a launch, unless the
+        last call launched this step already (overlap); then its one host sync and its events. With `overlap` (on
+        CUDA by default), when nothing needs the host before the next step (no request waits, none prefills, none
+        is cancelled or ended on the device, the policy has no host hooks), the next step is launched right after
+        this one's sync, and this one's events are collected while the GPU runs it. (A request added meanwhile
+        is admitted after that step.)"""
+        events: list[Event] = []
+        if self._inflight is None and not self._host_turn(events):
+            return events
+        rows, report, new = self._land()
+        t = time.perf_counter()
+        self.policy.after_step(self.host, report)
+        ahead = self._overlaps(rows, report)
+        if ahead:
+            self._launch(rows, [s for s in rows if report.retired[s]])
+            self._counts.ahead_steps += 1
+        self._collect(rows, report, new, events)
+        if self._cancel and not ahead:  # asked while the step ran: it ends now, not a step later
+            self._cancellations(events)
+        self._counts.hooks(t, decode=not ahead)
+        return events
+
+    def _host_turn(self, events: list[Event]) -> bool:
+        """Everything before a step that needs the host, then the step's launch; False: no row decodes."""
         if self.threads is not None:  # between steps: at most every threads.CHECK_S, one /proc/stat read
             self.threads.check()
-        events: list[Event] = []
         self._cancellations(events)
         ready = self._admit()
         self._compact()
@@ -203,28 +229,41 @@ class EngineSession:
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
-            return events
-        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state,
-                        self.capacity)
-        policy.before_step(self.host, view)
+            return False
+        begun = sorted(set(self._begun) | set(ready))
+        policy.before_step(self.host, StepView(tuple(decoding), tuple(begun), self.host.state, self.capacity))
         self._counts.hooks(t)
+        self._launch(decoding, begun)
+        return True
+
+    def _launch(self, rows: list[int], begun: list[int]) -> None:
+        """The step's phases on `rows` (those in `begun` begin a block with it), queued on the device."""
         t = time.perf_counter()
-        schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
-                          {s: owner[s].work_len for s in decoding}, self.host.state)
-        self.stepper.run(1 + max(decoding), schedule, st.selected, self.timer)
+        view = StepView(tuple(rows), tuple(begun), self.host.state, self.capacity)
+        schedule = narrow(self.policy.schedule(view), self.policy.narrow_phases, self.capacity, self.block, view.rows,
+                          {s: self._owner[s].work_len for s in rows}, self.host.state)
+        self.stepper.run(1 + max(rows), schedule, self.st.selected, self.timer)
+        self._inflight = (rows, t)
+
+    def _land(self) -> tuple[list[int], StepReport, dict[int, list[int]]]:
+        """The launched step's one host sync: its rows, report, and the newly final tokens of the rows that retired
+        blocks (read in one copy, before anything else is launched)."""
+        (rows, t), self._inflight = self._inflight, None
         sync = time.perf_counter()
-        report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
+        report = StepReport(*self.st.host_view(self.host.wait_for()))  # the one host sync of a step
         self._counts.sync_s += time.perf_counter() - sync
         if self.timer is not None:
             self.timer.collect()
-        st.retired.zero_()
+        self.st.retired.zero_()
+        new = self._new_tokens(rows, report)
         self._counts.decode_s += time.perf_counter() - t
         self._counts.decode_steps += 1
-        t = time.perf_counter()
-        policy.after_step(self.host, report)
-        self._collect(decoding, report, events)
-        self._counts.hooks(t)
-        return events
+        return rows, report, new
+
+    def _overlaps(self, rows: list[int], report: StepReport) -> bool:
+        """Whether the next step can be launched before this one's events: the same rows, nothing for the host."""
+        return (self.overlap and not self._queue and not self._cancel and all(report.active[s] for s in rows)
+                and all(o is None or o.prefill.left == 0 for o in self._owner))
 
     def _cancellations(self, events: list[Event]) -> None:
         for rid in sorted(self._cancel):
@@ -323,40 +362,61 @@ class EngineSession:
             self._counts.prefill_first_s = dt
         return [s for s in prefilling if progress[s].left == 0]
 
-    def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:
+    def _collect(self, decoding: list[int], report: StepReport, new: dict[int, list[int]],
+                 events: list[Event]) -> None:
         begun, now = [], self.now()
         for s in decoding:
             req = self._owner[s]
+            if req is None:  # ended by a stop string while this step ran (overlap)
+                continue
             reason = None
             if report.retired[s]:
                 if req.first_block is None:
                     req.first_block = now
                 if self.block_events:
-                    reason = self._block_event(s, req, events)
+                    reason = self._block_event(req, new.get(s, []), events)
             if report.active[s] and reason is None:
                 if report.retired[s]:
                     begun.append(s)
                 continue
             if reason is not None:
                 self.st.active[s] = False
-            events.append(FinishEvent(req.id, self._finish(req, reason)))
+            events.append(FinishEvent(req.id, self._finish(req, reason, report)))
         self._begun = begun
         if begun:
             self.policy.on_blocks(self.host, begun)
 
-    def _block_event(self, s: int, req: _Request, events: list[Event]) -> FinishReason | None:
-        """Report the slot's newly final tokens; returns "stop" when they complete a stop string (then they are not
-        reported: the FinishEvent's result carries them, cut where the stop string begins)."""
-        P = len(req.prompt)
-        end = min(int(self.st.block_start[s]), P + req.max_new)
-        new = self.st.seq[s, P + req.sent : end].tolist()
+    def _new_tokens(self, rows: list[int], report: StepReport) -> dict[int, list[int]]:
+        """Per row that retired blocks: its tokens made final since its last BlockEvent, all rows in one copy."""
+        spans = {}
+        for s in rows:
+            req = self._owner[s]
+            if self.block_events and report.retired[s] and req is not None:
+                P = len(req.prompt)
+                lo, hi = P + req.sent, min(report.block_start[s], P + req.max_new)
+                if hi > lo:
+                    spans[s] = (lo, hi)
+        if not spans:
+            return {}
+        seq = self.st.seq
+        width = max(hi - lo for lo, hi in spans.values())
+        idx = torch.tensor([lo for lo, _ in spans.values()])[:, None] + torch.arange(width)
+        at = torch.tensor(list(spans)).to(seq.device)
+        got = seq.index_select(0, at).gather(1, idx.clamp(max=seq.shape[1] - 1).to(seq.device)).tolist()
+        return {s: row[: hi - lo] for (s, (lo, hi)), row in zip(spans.items(), got)}
+
+    def _block_event(self, req: _Request, new: list[int], events: list[Event]) -> FinishReason | None:
+        """Report the request's newly final tokens; returns "stop" when they complete a stop string (then they are
+        not reported: the FinishEvent's result carries them, cut where the stop string begins)."""
         if self.eos in new:
             new = new[: new.index(self.eos) + 1]
         if not new:
             return None
-        if req.stop and self._stop_at(req, self.st.seq[s, P : P + req.sent].tolist() + new):
+        if req.stop and self._stop_at(req, req.out + new):
+            req.out += new  # (the result is cut at the stop string)
             return "stop"
         req.sent += len(new)
+        req.out += new
         events.append(BlockEvent(req.id, new))
         return None
 
@@ -372,17 +432,22 @@ class EngineSession:
         at, stop = min((text.find(x), x) for x in req.stop if x in text)
         return n, at, stop
 
-    def _finish(self, req: _Request, reason: FinishReason | None) -> GenerationResult:
-        """The request's result; its slot (if any) is free from now on."""
+    def _finish(self, req: _Request, reason: FinishReason | None, report: StepReport | None = None) -> GenerationResult:
+        """The request's result; its slot (if any) is free from now on. report: the last step's, whose counts the
+        result takes (a step launched since may have run on; the policy's report may count it)."""
         st, P, s = self.st, len(req.prompt), req.slot
         tok, now = self.model.tokenizer, self.now()
         if s is None:  # cancelled while queued
             out, steps, blocks, extra = [], 0, 0, {}
         else:
-            end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
-            out = st.seq[s, P:end].tolist()
-            steps, extra = int(st.steps[s]), self.policy.report(st, s)
-            blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
+            if reason == "stop":  # (read before the stop: a step launched since may have run on)
+                out = list(req.out)
+            else:
+                end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
+                out = st.seq[s, P:end].tolist()
+            steps, start = (report.steps[s], report.block_start[s]) if report else (int(st.steps[s]),
+                                                                                      int(st.block_start[s]))
+            extra, blocks = self.policy.report(st, s), (start - self.policy.first_block(P)) // self.block
             self._owner[s] = None
             if hasattr(self.kv, "free"):
                 self.kv.free(s)
