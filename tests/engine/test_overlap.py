@@ -90,7 +90,8 @@ def test_overlap_is_on_by_default_on_cuda_only_and_never_for_host_hooks(sdar):
     cfg = {"name": "threshold", "block_size": 4}
     assert Engine(sdar, EngineConfig(cfg, max_new_tokens=4)).overlap is False  # auto, on the CPU
     assert Engine(sdar, EngineConfig(cfg, max_new_tokens=4, overlap=True)).session(1, 32).overlap is True
-    hooked = Engine(sdar, EngineConfig({"name": "mage", "block_size": 4, "dense_layers": 1}, max_new_tokens=4, overlap=True))
+    mage = {"name": "mage", "block_size": 4, "dense_layers": 1}
+    hooked = Engine(sdar, EngineConfig(mage, max_new_tokens=4, overlap=True))
     assert hooked.session(1, 32).overlap is False  # its selection runs on the host between steps
     with pytest.raises(UserError, match="overlap: true or false, or auto"):
         EngineConfig(cfg, max_new_tokens=4, overlap="yes")
