@@ -262,8 +262,13 @@ class EngineSession:
 
     def _overlaps(self, rows: list[int], report: StepReport) -> bool:
         """Whether the next step can be launched before this one's events: the same rows, nothing for the host."""
-        return (self.overlap and not self._queue and not self._cancel and all(report.active[s] for s in rows)
-                and all(o is None or o.prefill.left == 0 for o in self._owner))
+        if not self.overlap or self._queue or self._cancel or not all(report.active[s] for s in rows):
+            return False
+        if all(o is None or o.prefill.left == 0 for o in self._owner):
+            return True
+        # prompts wait for prefill: only while the next turn would run none (prefill.priority first_block)
+        in_first = sum(self._owner[s].first_block is None and not report.retired[s] for s in rows)
+        return prefill_turn(self.engine.config.prefill_priority, len(rows), in_first) is None
 
     def _cancellations(self, events: list[Event]) -> None:
         for rid in sorted(self._cancel):

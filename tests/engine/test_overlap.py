@@ -65,6 +65,26 @@ def test_overlap_changes_no_token_event_or_count(sdar, policy):
     assert plain_stats.ahead_steps == 0 and stats.ahead_steps >= 10
 
 
+def test_steps_run_ahead_while_prompts_wait_for_the_first_blocks(sdar):
+    """prefill.priority first_block: no prefill while a decoding row is in its first block, so those steps run
+    ahead too, and the tokens, events and counts are those without overlap."""
+    prompts = prompts_of([12, 10, 14, 9], sdar.config.vocab_size, seed=6)
+    policy = {"name": "threshold", "block_size": 4, "threshold": 1.0, "steps": 4}
+    outs = []
+    for overlap in (False, True):
+        eng = Engine(sdar, EngineConfig(policy, max_new_tokens=12, batch_size=4, max_seq_len=CAPACITY,
+                                        prefill_priority="first_block", prefill_tokens=16, prefill_chunk=16,
+                                        overlap=overlap))
+        session = eng.session(4, CAPACITY)
+        prefill, at = session._prefill, []  # the steps run ahead so far, at each prefill forward
+        session._prefill = lambda *a, **k: at.append(session.stats().ahead_steps) or prefill(*a, **k)
+        out = serve(session, {0: [(i, p, RequestParams()) for i, p in enumerate(prompts)]})
+        outs.append((outcome(out), at))
+    (plain, none), (ahead, some) = outs
+    assert ahead == plain and len(none) == len(some) == 4  # one prompt a prefill forward
+    assert none[-1] == 0 and some[-1] > some[0]  # steps ran ahead between them
+
+
 def test_a_stop_string_ends_the_request_while_a_step_runs_ahead():
     """A stop string is found in the events collected while the next step runs: the result is cut as without
     overlap (that step ran on the request's row; nothing of it is reported)."""
