@@ -36,6 +36,7 @@ class StepView:
     begun: tuple[int, ...]
     state: dict = field(default_factory=dict)  # the policy's host state (HostContext.state), as its hooks left it
     capacity: int = 0  # the session's KV positions per slot
+    admitted: tuple[int, ...] = ()  # of `begun`, those that begin decoding with this step (their first step)
 
 
 @dataclass(frozen=True)

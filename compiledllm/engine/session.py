@@ -231,15 +231,17 @@ class EngineSession:
             self._counts.hooks(t)
             return False
         begun = sorted(set(self._begun) | set(ready))
-        policy.before_step(self.host, StepView(tuple(decoding), tuple(begun), self.host.state, self.capacity))
+        policy.before_step(self.host, StepView(tuple(decoding), tuple(begun), self.host.state, self.capacity,
+                                               tuple(ready)))
         self._counts.hooks(t)
-        self._launch(decoding, begun)
+        self._launch(decoding, begun, ready)
         return True
 
-    def _launch(self, rows: list[int], begun: list[int]) -> None:
-        """The step's phases on `rows` (those in `begun` begin a block with it), queued on the device."""
+    def _launch(self, rows: list[int], begun: list[int], admitted: list[int] = ()) -> None:
+        """The step's phases on `rows` (those in `begun` begin a block with it, those `admitted` their first step),
+        queued on the device."""
         t = time.perf_counter()
-        view = StepView(tuple(rows), tuple(begun), self.host.state, self.capacity)
+        view = StepView(tuple(rows), tuple(begun), self.host.state, self.capacity, tuple(admitted))
         schedule = narrow(self.policy.schedule(view), self.policy.narrow_phases, self.capacity, self.block, view.rows,
                           {s: self._owner[s].work_len for s in rows}, self.host.state)
         self.stepper.run(1 + max(rows), schedule, self.st.selected, self.timer)

@@ -245,7 +245,7 @@ class ElasticCachePolicy(SelectiveCachePolicy):
             h[key] = h.get(key, 0) + n
         runs = [PhaseRun(f"{RECOMPUTE}{g}", tuple(s for s in step.rows if groups.get(s) == g))
                 for g in range(self.config.resume_groups)]
-        return [PhaseRun("refresh", self.stale_rows(step)), *runs, "decode"]
+        return [PhaseRun("refresh", step.admitted), *runs, "decode"]
 
     def after_step(self, host, report):
         pending, at = torch.stack([host.st.policy["pending"], host.st.policy["at"]]).tolist()

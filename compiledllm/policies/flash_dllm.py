@@ -192,7 +192,7 @@ class FlashDLLMPolicy(FlashVerify, SelectiveCachePolicy):
     def schedule(self, step):
         from compiledllm.engine.hooks import PhaseRun  # the engine imports the policies: not at module level
 
-        return [PhaseRun("refresh", self.stale_rows(step)), *self.phases[1:]]
+        return [PhaseRun("refresh", step.admitted), *self.phases[1:]]
 
     def report(self, st, slot):
         out = {"nfe": int(st.policy["nfe"][slot])}

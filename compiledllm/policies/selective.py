@@ -2,7 +2,7 @@
 Elastic-Cache's `elastic_cache`): one "refresh" forward of the whole working sequence at a request's first step,
 then forwards of a few positions whose KV source is the pool everywhere but those positions.
 
-Here: the pooled store, the host's set of rows still to refresh (admitted ones; moved with compaction), the set's
+Here: the pooled store (the rows that refresh are those a step admits: StepView.admitted), the query set's
 compaction into query slots, the KV source around it, and the attention mass a forward's statistics give each
 position.
 """
@@ -66,24 +66,3 @@ class SelectiveCachePolicy(RefreshCachePolicy):
         at = torch.where(live, fwd.positions, T)[:, None].expand(-1, flat.shape[1], -1)
         out.scatter_add_(2, at, torch.where(live[:, None], flat[..., S:S + Q], 0.0))
         return out[..., :T].reshape(B, *lead, T)
-
-    # --- host: the refresh runs once per request, at its first step ---------------------------------------------
-    def on_blocks(self, host, rows):
-        h = host.state.setdefault("stale", set())
-        for s, n in zip(rows, host.st.steps[rows].tolist()):
-            if n == 0:  # just admitted: its first step is the refresh
-                h.add(s)
-
-    @staticmethod
-    def stale_rows(step) -> tuple[int, ...]:
-        """The rows of this step that refresh (taken off the host's set)."""
-        stale = step.state.get("stale", set())
-        rows = tuple(s for s in step.rows if s in stale)
-        stale.difference_update(rows)
-        return rows
-
-    def on_move(self, host, src, dst):
-        stale = host.state.get("stale", set())
-        if src in stale:
-            stale.discard(src)
-            stale.add(dst)

@@ -65,6 +65,28 @@ def test_overlap_changes_no_token_event_or_count(sdar, policy):
     assert plain_stats.ahead_steps == 0 and stats.ahead_steps >= 10
 
 
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("l"), "llada", 6))
+
+
+@pytest.mark.parametrize("policy", [{"name": "flash_dllm", "block_size": 4, "threshold": 0.5, "ahead": 8, "track": 8},
+                                    {"name": "flash_dllm", "block_size": 4, "threshold": 0.5, "verify": True},
+                                    {"name": "fast_dllm_cache", "block_size": 4, "threshold": 0.5, "dual": True}])
+def test_the_bidirectional_caches_run_ahead_with_the_same_tokens(llada, policy):
+    """The caches whose refresh rows are the step's admitted rows (StepView.admitted) run ahead too; the prefix
+    cache does not (its window follows each row's suffix, read from the device)."""
+    prompts = prompts_of([5, 9, 3, 12, 7], llada.config.vocab_size)
+    arrivals = {0: [(i, prompts[i], RequestParams(n)) for i, n in ((0, 20), (1, 6))],
+                5: [(2, prompts[2], RequestParams(24))], 8: [(i, prompts[i], RequestParams(n)) for i, n in ((3, 9),
+                                                                                                      (4, 12))]}
+    plain, plain_stats = served(llada, policy, False, arrivals)
+    ahead, stats = served(llada, policy, True, arrivals)
+    assert outcome(ahead) == outcome(plain) and plain_stats.ahead_steps == 0 and stats.ahead_steps >= 5
+    prefix = Engine(llada, EngineConfig({"name": "fast_dllm_cache", "block_size": 4}, max_new_tokens=4, overlap=True))
+    assert prefix.session(1, 32).overlap is False
+
+
 def test_steps_run_ahead_while_prompts_wait_for_the_first_blocks(sdar):
     """prefill.priority first_block: no prefill while a decoding row is in its first block, so those steps run
     ahead too, and the tokens, events and counts are those without overlap."""
