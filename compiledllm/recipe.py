@@ -171,7 +171,6 @@ class Recipe(_Strict):
     cuda_graphs: bool = True                        # on CUDA: capture the step per batch-size bucket
     buckets: list[int] | None = None                # batch-size buckets (default: powers of two up to batch_size)
     phase_times: bool = False                       # each decode phase's device time (bench's phase table)
-    overlap: CompileMode = "auto"                   # the next step launched before this one's events (auto: CUDA)
     output: str | None = Field(default="results.jsonl", min_length=1)
     threads: int | None = Field(default=None, ge=1)  # torch's CPU threads (default: the idle cores, threads.py)
     base_dir: str = Field(default=".", exclude=True)  # where relative paths in the recipe resolve

@@ -35,7 +35,6 @@ class EngineConfig:
     prefill_priority: str = "throughput"  # or "first_block": no prefill while a decoding row is in its first block
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
-    overlap: bool | str = "auto"        # launch a step before collecting the last one's events (session.py); auto: CUDA
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, (dict, PolicyConfig)):
@@ -49,7 +48,6 @@ class EngineConfig:
         _positive_int("prefill_tokens", self.prefill_tokens)
         _compile_mode("compile", self.compile, "compiled on CUDA only")
         _compile_mode("prefill.compile", self.prefill_compile, "with `compile`, on CUDA")
-        _compile_mode("overlap", self.overlap, "on CUDA only")
         if self.prefill_priority not in PREFILL_PRIORITIES:
             raise UserError(f"prefill.priority: one of {', '.join(PREFILL_PRIORITIES)}, got {self.prefill_priority!r}")
         for name in ("cuda_graphs", "ignore_eos", "phase_times"):
@@ -69,5 +67,4 @@ class EngineConfig:
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
                    prefill_tokens=recipe.prefill.tokens, prefill_compile=recipe.prefill.compile,
                    prefill_priority=recipe.prefill.priority,
-                   ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times,
-                   overlap=recipe.overlap)
+                   ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times)

@@ -52,7 +52,6 @@ class Engine:
         self.compile = resolve_compile(config.compile, model.device) and static is None  # auto: CUDA only
         pc = config.prefill_compile  # auto: with the decode step, on CUDA (the CPU's prefill unchanged: not measured)
         self.prefill_compile = (self.compile and model.device.type == "cuda" if pc == "auto" else pc) and static is None
-        self.overlap = config.overlap is True or (config.overlap == "auto" and model.device.type == "cuda")
         self.cuda_graphs = config.cuda_graphs and model.device.type == "cuda" and static is None
         self.buckets = list(static.buckets) if static else (list(config.buckets) if config.buckets else None)
         self.side_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None

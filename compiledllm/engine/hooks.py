@@ -18,13 +18,12 @@ from compiledllm.engine.state import SlotState
 
 @dataclass(frozen=True)
 class StepReport:
-    """The one host sync of a step: per slot, whether it still decodes, how many blocks it retired, where its
-    unretired positions begin and how many forwards it has had, after the step."""
+    """The one host sync of a step: per slot, whether it still decodes, how many blocks it retired, and where its
+    unretired positions begin after the step."""
 
     active: list[bool]
     retired: list[int]
     block_start: list[int]
-    steps: list[int]
 
 
 @dataclass(frozen=True)

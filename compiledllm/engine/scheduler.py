@@ -37,7 +37,6 @@ class RunStats:
     # the engine thread waiting in each step's one host sync for the device (part of decode_s): decode_s - hooks_s -
     # sync_s is the host's scheduling and launching while nothing of the step was left to wait for
     sync_s: float = 0.0
-    ahead_steps: int = 0     # decode steps launched before the last one's events were collected (session overlap)
     policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
     phases: dict = field(default_factory=dict)  # per decode phase: runs, uncaptured runs, device seconds (phase_times)
 
@@ -58,14 +57,12 @@ class Counters:
     stall_max_s: float = 0.0
     hooks_s: float = 0.0
     sync_s: float = 0.0
-    ahead_steps: int = 0
 
-    def hooks(self, since: float, decode: bool = True) -> None:
-        """Host-hook time since `since` (perf_counter): counted as decode time too, unless it ran while a step
-        launched ahead ran on the device (`decode` False: that step's own time holds it)."""
+    def hooks(self, since: float) -> None:
+        """Host-hook time since `since` (perf_counter): counted as decode time too."""
         dt = time.perf_counter() - since
         self.hooks_s += dt
-        self.decode_s += dt if decode else 0.0
+        self.decode_s += dt
 
     def stalled(self, wait: float) -> None:
         self.stalled_steps += 1

@@ -92,8 +92,6 @@ class EngineSession:
         self._owner: list[_Request | None] = [None] * slots
         self._cancel: set[int] = set()
         self._begun: list[int] = []                    # slots that begin a block with the next step
-        self._inflight: tuple[list[int], float] | None = None  # a launched step's rows and launch time, until its sync
-        self.overlap = engine.overlap and self.policy.host_free
         self._admitted = 0
         self._counts = Counters()
         self.timer = PhaseTimer(self.model.device) if cfg.phase_times else None
@@ -181,32 +179,9 @@ class EngineSession:
     # --- one step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """One step: the host's turn (cancellations, admission, compaction, prefill, hooks) and a launch, unless the
-        last call launched this step already (overlap); then its one host sync and its events. With `overlap` (on
-        CUDA by default), when nothing needs the host before the next step (no request waits, none prefills, none
-        is cancelled or ended on the device, the policy has no host hooks), the next step is launched right after
-        this one's sync, and this one's events are collected while the GPU runs it. (A request added meanwhile
-        is admitted after that step.)"""
-        events: list[Event] = []
-        if self._inflight is None and not self._host_turn(events):
-            return events
-        rows, report, new = self._land()
-        t = time.perf_counter()
-        self.policy.after_step(self.host, report)
-        ahead = self._overlaps(rows, report)
-        if ahead:
-            self._launch(rows, [s for s in rows if report.retired[s]])
-            self._counts.ahead_steps += 1
-        self._collect(rows, report, new, events)
-        if self._cancel and not ahead:  # asked while the step ran: it ends now, not a step later
-            self._cancellations(events)
-        self._counts.hooks(t, decode=not ahead)
-        return events
-
-    def _host_turn(self, events: list[Event]) -> bool:
-        """Everything before a step that needs the host, then the step's launch; False: no row decodes."""
         if self.threads is not None:  # between steps: at most every threads.CHECK_S, one /proc/stat read
             self.threads.check()
+        events: list[Event] = []
         self._cancellations(events)
         ready = self._admit()
         self._compact()
@@ -229,48 +204,28 @@ class EngineSession:
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
-            return False
-        begun = sorted(set(self._begun) | set(ready))
-        policy.before_step(self.host, StepView(tuple(decoding), tuple(begun), self.host.state, self.capacity,
-                                               tuple(ready)))
+            return events
+        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state,
+                        self.capacity, tuple(ready))
+        policy.before_step(self.host, view)
         self._counts.hooks(t)
-        self._launch(decoding, begun, ready)
-        return True
-
-    def _launch(self, rows: list[int], begun: list[int], admitted: list[int] = ()) -> None:
-        """The step's phases on `rows` (those in `begun` begin a block with it, those `admitted` their first step),
-        queued on the device."""
         t = time.perf_counter()
-        view = StepView(tuple(rows), tuple(begun), self.host.state, self.capacity, tuple(admitted))
-        schedule = narrow(self.policy.schedule(view), self.policy.narrow_phases, self.capacity, self.block, view.rows,
-                          {s: self._owner[s].work_len for s in rows}, self.host.state)
-        self.stepper.run(1 + max(rows), schedule, self.st.selected, self.timer)
-        self._inflight = (rows, t)
-
-    def _land(self) -> tuple[list[int], StepReport, dict[int, list[int]]]:
-        """The launched step's one host sync: its rows, report, and the newly final tokens of the rows that retired
-        blocks (read in one copy, before anything else is launched)."""
-        (rows, t), self._inflight = self._inflight, None
+        schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
+                          {s: owner[s].work_len for s in decoding}, self.host.state)
+        self.stepper.run(1 + max(decoding), schedule, st.selected, self.timer)
         sync = time.perf_counter()
-        report = StepReport(*self.st.host_view(self.host.wait_for()))  # the one host sync of a step
+        report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
         self._counts.sync_s += time.perf_counter() - sync
         if self.timer is not None:
             self.timer.collect()
-        self.st.retired.zero_()
-        new = self._new_tokens(rows, report)
+        st.retired.zero_()
         self._counts.decode_s += time.perf_counter() - t
         self._counts.decode_steps += 1
-        return rows, report, new
-
-    def _overlaps(self, rows: list[int], report: StepReport) -> bool:
-        """Whether the next step can be launched before this one's events: the same rows, nothing for the host."""
-        if not self.overlap or self._queue or self._cancel or not all(report.active[s] for s in rows):
-            return False
-        if all(o is None or o.prefill.left == 0 for o in self._owner):
-            return True
-        # prompts wait for prefill: only while the next turn would run none (prefill.priority first_block)
-        in_first = sum(self._owner[s].first_block is None and not report.retired[s] for s in rows)
-        return prefill_turn(self.engine.config.prefill_priority, len(rows), in_first) is None
+        t = time.perf_counter()
+        policy.after_step(self.host, report)
+        self._collect(decoding, report, events)
+        self._counts.hooks(t)
+        return events
 
     def _cancellations(self, events: list[Event]) -> None:
         for rid in sorted(self._cancel):
@@ -369,13 +324,10 @@ class EngineSession:
             self._counts.prefill_first_s = dt
         return [s for s in prefilling if progress[s].left == 0]
 
-    def _collect(self, decoding: list[int], report: StepReport, new: dict[int, list[int]],
-                 events: list[Event]) -> None:
-        begun, now = [], self.now()
+    def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:
+        begun, now, new = [], self.now(), self._new_tokens(decoding, report)
         for s in decoding:
             req = self._owner[s]
-            if req is None:  # ended by a stop string while this step ran (overlap)
-                continue
             reason = None
             if report.retired[s]:
                 if req.first_block is None:
@@ -388,17 +340,18 @@ class EngineSession:
                 continue
             if reason is not None:
                 self.st.active[s] = False
-            events.append(FinishEvent(req.id, self._finish(req, reason, report)))
+            events.append(FinishEvent(req.id, self._finish(req, reason)))
         self._begun = begun
         if begun:
             self.policy.on_blocks(self.host, begun)
 
     def _new_tokens(self, rows: list[int], report: StepReport) -> dict[int, list[int]]:
-        """Per row that retired blocks: its tokens made final since its last BlockEvent, all rows in one copy."""
+        """Per row that retired blocks: its tokens made final since its last BlockEvent, every row in one copy (one
+        sync a step, not two a row)."""
         spans = {}
         for s in rows:
             req = self._owner[s]
-            if self.block_events and report.retired[s] and req is not None:
+            if self.block_events and report.retired[s]:
                 P = len(req.prompt)
                 lo, hi = P + req.sent, min(report.block_start[s], P + req.max_new)
                 if hi > lo:
@@ -439,22 +392,20 @@ class EngineSession:
         at, stop = min((text.find(x), x) for x in req.stop if x in text)
         return n, at, stop
 
-    def _finish(self, req: _Request, reason: FinishReason | None, report: StepReport | None = None) -> GenerationResult:
-        """The request's result; its slot (if any) is free from now on. report: the last step's, whose counts the
-        result takes (a step launched since may have run on; the policy's report may count it)."""
+    def _finish(self, req: _Request, reason: FinishReason | None) -> GenerationResult:
+        """The request's result; its slot (if any) is free from now on."""
         st, P, s = self.st, len(req.prompt), req.slot
         tok, now = self.model.tokenizer, self.now()
         if s is None:  # cancelled while queued
             out, steps, blocks, extra = [], 0, 0, {}
         else:
-            if reason == "stop":  # (read before the stop: a step launched since may have run on)
+            if reason == "stop":  # what the block events read, up to the block that holds the stop string
                 out = list(req.out)
             else:
                 end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
                 out = st.seq[s, P:end].tolist()
-            steps, start = (report.steps[s], report.block_start[s]) if report else (int(st.steps[s]),
-                                                                                      int(st.block_start[s]))
-            extra, blocks = self.policy.report(st, s), (start - self.policy.first_block(P)) // self.block
+            steps, extra = int(st.steps[s]), self.policy.report(st, s)
+            blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
             self._owner[s] = None
             if hasattr(self.kv, "free"):
                 self.kv.free(s)

@@ -59,11 +59,11 @@ class SlotState:
         for t in self.tensors().values():
             t[dst] = t[src]
 
-    def host_view(self, done: torch.cuda.Event | None = None) -> tuple[list[bool], list[int], list[int], list[int]]:
-        """(active, retired, block_start, steps) per slot: the one host sync of a step (first a sleeping wait on `done`,
+    def host_view(self, done: torch.cuda.Event | None = None) -> tuple[list[bool], list[int], list[int]]:
+        """(active, retired, block_start) per slot: the one host sync of a step (first a sleeping wait on `done`,
         where given)."""
         if done is not None:
             done.record()
             done.synchronize()
-        rows = torch.stack([self.active.long(), self.retired, self.block_start, self.steps]).tolist()
-        return [bool(a) for a in rows[0]], rows[1], rows[2], rows[3]
+        rows = torch.stack([self.active.long(), self.retired, self.block_start]).tolist()
+        return [bool(a) for a in rows[0]], rows[1], rows[2]

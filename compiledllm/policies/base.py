@@ -204,14 +204,6 @@ class Policy(ABC):
         (run_step)."""
         return expand(self.phases, self.narrow_phases, capacity, self.block_size, shortest)
 
-    @property
-    def host_free(self) -> bool:
-        """No host hooks around a step (on_blocks, before_step and after_step are the defaults) and a `schedule`
-        that reads only its StepView: the session may launch the next step before it collects this one's events
-        (EngineSession's overlap)."""
-        cls = type(self)
-        return all(getattr(cls, h) is getattr(Policy, h) for h in ("on_blocks", "before_step", "after_step"))
-
     def on_blocks(self, host: HostContext, rows: list[int]) -> None:
         """Host work when rows begin a block (after admission and after a step that retired blocks); may queue
         device work on host.side_stream. Default: none."""

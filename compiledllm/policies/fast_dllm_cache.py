@@ -195,10 +195,6 @@ class FastDLLMCachePolicy(RefreshCachePolicy):
         tally(h, "decode_windows", Q)
         return [PhaseRun("refresh", step.begun), {q: ph for ph, q in query_windows(T, Bk).items()}[Q]]
 
-    @property
-    def host_free(self) -> bool:
-        return self.config.dual  # the prefix cache's on_blocks reads each row's suffix from the device
-
     def on_blocks(self, host, rows):
         if self.config.dual:
             return

@@ -398,20 +398,6 @@ if has exportbench; then  # a CUDA export timed: the quickstart model exported f
       | grep --line-buffered -v -i warn | tail -5
   done
 fi
-if has overlap; then  # issue 31: the session's overlap (the next step launched before the last one's events are
-  # collected) against none, same call: its GPU test, then the SDAR-4B workload and LLaDA2.0-mini at batch 1
-  timeout -k 20 ${OVERLAP_TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/engine/test_overlap.py -p no:cacheprovider 2>&1 \
-    | tee "$OUT/overlap_tests.log" | tail -3
-  for o in ${OVERLAP_FORMS:-false auto}; do
-    timeout -k 20 ${OVERLAP_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_sdar4b.yaml --set overlap=$o \
-      --prompt-len 128 --output-len 1024 --batch 128 --out "$OUT/overlap_sdar4b_$o.json" 2>&1 | grep --line-buffered -v -i warn | tail -3
-  done
-  for o in ${OVERLAP_FORMS:-false auto}; do
-    timeout -k 20 ${OVERLAP_TIMEOUT:-200} python3 -m compiledllm bench recipes/bench_block48_standard.yaml --set overlap=$o \
-      --set policy.steps=8 --prompt-len 4096 --output-len 256 --batch 1 --out "$OUT/overlap_mini_b1_$o.json" 2>&1 \
-      | grep --line-buffered -v -i warn | tail -3
-  done
-fi
 if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowest named. One after the other the folders
   # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
   # here is timed; the max-batch bench test bounds its own memory), then the tests marked bigmem alone (run at once,
