@@ -133,6 +133,9 @@ class PrefillSpec(_Strict):
     # throughput: a prefill forward before every decode step while prompts wait; first_block: none while a decoding
     # row is still in its first block, one piece at a time (the first block sooner for the first piece's requests)
     priority: Literal["throughput", "first_block"] = "throughput"
+    # the first decode step of a request rides in its last prefill forward (its block's queries after the prompt's):
+    # one forward fewer before its first block, the same tokens (policies that allow it: threshold)
+    first_step: bool = True
 
 
 class ParallelSpec(_Strict):

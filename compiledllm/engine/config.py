@@ -33,6 +33,8 @@ class EngineConfig:
     prefill_tokens: int = 16384         # tokens in one prefill forward (rows x chunk): the longest decode stall
     prefill_compile: bool | str = "auto"  # large prefill forwards compiled; auto: where `compile` is, on CUDA
     prefill_priority: str = "throughput"  # or "first_block": no prefill while a decoding row is in its first block
+    prefill_first_step: bool = True     # a prompt's last prefill forward also makes its first decode step (where the
+                                        # policy allows it: Policy.prefill_step)
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
@@ -50,7 +52,7 @@ class EngineConfig:
         _compile_mode("prefill.compile", self.prefill_compile, "with `compile`, on CUDA")
         if self.prefill_priority not in PREFILL_PRIORITIES:
             raise UserError(f"prefill.priority: one of {', '.join(PREFILL_PRIORITIES)}, got {self.prefill_priority!r}")
-        for name in ("cuda_graphs", "ignore_eos", "phase_times"):
+        for name in ("cuda_graphs", "ignore_eos", "phase_times", "prefill_first_step"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:
@@ -66,5 +68,5 @@ class EngineConfig:
                    batch_size=recipe.batch_size, max_seq_len=recipe.generation.max_seq_len, compile=recipe.compile,
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
                    prefill_tokens=recipe.prefill.tokens, prefill_compile=recipe.prefill.compile,
-                   prefill_priority=recipe.prefill.priority,
+                   prefill_priority=recipe.prefill.priority, prefill_first_step=recipe.prefill.first_step,
                    ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times)

@@ -16,17 +16,24 @@ casts) is fused. The start-up's warm-up compiles exactly those shapes, so no req
 a first use of another shape compiled in the middle of a run for seconds); every other forward (fewer rows, small)
 runs eagerly. A shape-generic compile (dynamic shapes) measured slower at 32K prompts (recompiles;
 docs/results.md "Prefill").
+
+The first step (`prefill.first_step`, a policy's `prefill_step`): every forward holds one block more per row, C + B
+queries. For a row whose prefill ends in the forward, the block after its prefix, [end, end + B), sits right after
+its real tokens, where padding would be, and is the request's first decode step: the same queries, attention, KV
+writes and update (the policy's, on those rows alone) as that step's own forward, so the tokens are the same and
+the request waits one forward less for its first block. For the other rows those B positions are padding.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from compiledllm.compile_cache import use_cache
 from compiledllm.engine.compile import compile_room, compiled_regions
 from compiledllm.engine.state import SlotState
+from compiledllm.engine.step import finish_phase
 from compiledllm.kv.store import KVStore
 from compiledllm.policies.plan import window_forward
 
@@ -91,8 +98,11 @@ class Prefiller:
     forwards of `compiled_shapes` run the layers as compiled regions (module note)."""
 
     def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
-                 compiled: bool = False, slots: int | None = None):
+                 compiled: bool = False, slots: int | None = None, first_step: tuple | None = None):
+        """first_step: (policy, phase, eos_id): the forwards also make each finishing row's first step (module
+        note)."""
         self.model, self.block, self.max_tokens, self.slots = model, block, max_tokens, slots
+        self.first_step = first_step
         self.chunks = chunk_buckets(chunk, block)
         most = max(1, max_tokens // self.chunks[0])  # rows of the smallest chunk in one forward
         # powers of two, and the most that fit (a forward that fills the budget: e.g. just over half a burst, the first
@@ -125,11 +135,19 @@ class Prefiller:
         return split_rows(slots, self.row_sizes, fits)
 
     def run(self, st: SlotState, kv: KVStore, first: int, rows: int, progress: dict[int, Progress]) -> int:
-        """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written."""
+        """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written. With
+        `first_step`, the rows it finishes have made their first step too (active then unless it ended them)."""
         slots = range(first, first + rows)
         left = [progress[s].left for s in slots]
         C = self.chunk_for(max(left))
-        self._forward(st, kv, first, rows, [progress[s].done for s in slots], [progress[s].end for s in slots], C)
+        fwd, logits, finishing = self._forward(st, kv, first, rows, [progress[s].done for s in slots],
+                                               [progress[s].end for s in slots], C)
+        if self.first_step is not None and any(n <= C for n in left):
+            policy, phase, eos = self.first_step
+            rows_st = st.view(rows, first)
+            step_st = replace(rows_st, active=finishing)  # the rows whose prefill ends here alone take part
+            finish_phase(policy, phase, step_st, fwd, logits, eos)
+            rows_st.active.copy_(torch.where(finishing, step_st.active, rows_st.active))
         written = 0
         for s, n in zip(slots, left):
             step = min(n, C)
@@ -161,19 +179,31 @@ class Prefiller:
             progress(len(shapes), len(shapes), what)
 
     def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
-                 C: int, write: bool = True) -> None:
-        dev = st.seq.device
+                 C: int, write: bool = True):
+        """One forward of chunk C (C + B queries with `first_step`); returns its Forward, its logits and [rows] bool:
+        the rows whose prefill ends in it."""
+        dev, Bk = st.seq.device, self.block
         start = torch.tensor(done, device=dev)
         end = torch.tensor(ends, device=dev)
-        pos = start[:, None] + torch.arange(C, device=dev)
-        real = pos < end[:, None]
+        Q = C + (Bk if self.first_step is not None else 0)
+        pos = start[:, None] + torch.arange(Q, device=dev)
+        real = pos < torch.minimum(end, start + C)[:, None]
+        finishing = end <= start + C
         cap = st.seq.shape[1]
-        tokens = torch.where(real, st.seq[first : first + rows].gather(1, pos.clamp(max=cap - 1)), self.model.mask_token_id)
-        last = torch.zeros((rows, 1), dtype=torch.long, device=dev)  # logits are not needed: keep the head to one row
-        fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, self.block, real,
-                             write=torch.where(real & write, pos, -1), logits_at=last)
+        seq = st.seq[first : first + rows].gather(1, pos.clamp(max=cap - 1))
+        if self.first_step is None:
+            live, logits_at, need = real, torch.zeros((rows, 1), dtype=torch.long, device=dev), None  # head: one row
+        else:  # the first step's block after the prefix of each row that ends here (module note)
+            step = finishing[:, None] & (pos >= end[:, None]) & (pos < end[:, None] + Bk) & (pos < cap)
+            live = real | step
+            logits_at = (end - start).clamp(max=Q - Bk)[:, None] + torch.arange(Bk, device=dev)
+            gen = pos.gather(1, logits_at) >= st.prompt_len[first : first + rows, None]
+            need = self.first_step[0].needed(seq.gather(1, logits_at), gen, st.view(rows, first).policy)
+            need = need & step.gather(1, logits_at)
+        tokens = torch.where(live, seq, self.model.mask_token_id)
+        fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, Bk, live,
+                             write=torch.where(live & write, pos, -1), logits_at=logits_at, logits_rows=need)
         if (rows, C) not in self.compiled_shapes:
-            self.model(fwd, kv.prefill_rows(first, first + rows))
-            return
+            return fwd, self.model(fwd, kv.prefill_rows(first, first + rows)), finishing
         with compile_room():
-            self.model(fwd, kv.prefill_rows(first, first + rows), layers=self.layers)
+            return fwd, self.model(fwd, kv.prefill_rows(first, first + rows), layers=self.layers), finishing

@@ -31,6 +31,7 @@ from compiledllm.engine.scheduler import Counters, RunStats, prefill_pieces, pre
 from compiledllm.engine.state import SlotState
 from compiledllm.engine.stepper import Stepper, default_buckets
 from compiledllm.errors import UserError
+from compiledllm.policies.base import Policy
 from compiledllm.policies.sampling import request_key
 from compiledllm.policies.windows import narrow, report as width_report
 from compiledllm.profiling import phase as profile_range
@@ -81,9 +82,14 @@ class EngineSession:
                                eos_id=self.eos, on_startup=on_startup,
                                phases=self.policy.phases_for(capacity, shortest or self.block))
         static = engine.static
+        # a first step inside prefill runs no host hook: only for policies without them
+        hooked = any(getattr(type(self.policy), h) is not getattr(Policy, h)
+                     for h in ("on_blocks", "before_step", "after_step"))
+        phase = self.policy.prefill_step() if cfg.prefill_first_step and static is None and not hooked else None
         self.prefiller = None if self.kv is None else Prefiller(
             self.model, self.block, cfg.prefill_chunk, cfg.prefill_tokens, static.buckets if static else None,
-            compiled=engine.compiles_prefill(self.kv), slots=slots)
+            compiled=engine.compiles_prefill(self.kv), slots=slots,
+            first_step=None if phase is None else (self.policy, phase, self.eos))
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
         self.startup_s = self.stepper.startup_s + self._warm_prefill(on_startup)
         self.compile_cache = self.stepper.cache  # None: not compiled
@@ -191,22 +197,27 @@ class EngineSession:
         decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
         turn = prefilling and prefill_turn(self.engine.config.prefill_priority, len(decoding),
                                            sum(owner[s].first_block is None for s in decoding))
+        stepped = []  # rows whose prefill made their first step too (Prefiller's first_step)
         if turn:  # (the rows in their first block are counted only while prompts wait)
             t = time.perf_counter()
-            ready += self._prefill(prefilling, everyone=turn == "all")
+            stepped = self._prefill(prefilling, everyone=turn == "all", events=events)
+            ready += stepped
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
+            if self.prefiller.first_step is None:
+                stepped = []
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
         if ready:
             ready.sort()
-            st.active[ready] = True
+            st.active[[s for s in ready if s not in stepped]] = True  # (a first step left its rows' own)
             policy.on_blocks(self.host, ready)
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
             return events
-        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(ready))), self.host.state,
-                        self.capacity, tuple(ready))
+        admitted = [s for s in ready if s not in stepped]  # beginning a block with this step
+        view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(admitted))), self.host.state,
+                        self.capacity, tuple(admitted))
         policy.before_step(self.host, view)
         self._counts.hooks(t)
         t = time.perf_counter()
@@ -305,8 +316,10 @@ class EngineSession:
             self._begun = [dst if b == src else b for b in self._begun]
             self.policy.on_move(self.host, src, dst)
 
-    def _prefill(self, prefilling: list[int], everyone: bool) -> list[int]:
-        """Prefill chunk forwards (scheduler.prefill_pieces); returns the slots whose prefill is complete."""
+    def _prefill(self, prefilling: list[int], everyone: bool, events: list[Event]) -> list[int]:
+        """Prefill chunk forwards (scheduler.prefill_pieces); returns the slots whose prefill is complete and that
+        still decode. Where the forwards made those rows' first step (Prefiller's first_step), its events are
+        collected here, as a decode step's are."""
         owner = self._owner
         progress = {s: owner[s].prefill for s in prefilling}
         pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, progress,
@@ -322,7 +335,15 @@ class EngineSession:
         self._counts.prefill_s += dt
         if first_turn:
             self._counts.prefill_first_s = dt
-        return [s for s in prefilling if progress[s].left == 0]
+        done = [s for s in prefilling if progress[s].left == 0]
+        if self.prefiller.first_step is not None and done:
+            report = StepReport(*self.st.host_view())
+            self.st.retired.zero_()
+            begun = self._begun
+            self._collect(done, report, events)  # a block retired, or the request ended, in its first step
+            self._begun = sorted(set(begun) | set(self._begun))
+            done = [s for s in done if self._owner[s] is not None]
+        return done
 
     def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:
         begun, now, new = [], self.now(), self._new_tokens(decoding, report)

@@ -40,12 +40,13 @@ class SlotState:
         return fixed | {f"policy.{k}": v for k, v in self.policy.items()} | {f"params.{k}": v
                                                                             for k, v in self.params.items()}
 
-    def view(self, rows: int) -> "SlotState":
-        """The first `rows` slots, as views: a step on the view updates these buffers in place."""
-        return SlotState(self.seq[:rows], self.prompt_len[:rows], self.work_len[:rows], self.block_start[:rows],
-                         self.active[:rows], self.steps[:rows], self.retired[:rows], self.key[:rows],
-                         {k: v[:rows] for k, v in self.policy.items()}, {k: v[:rows] for k, v in self.params.items()},
-                         None if self.selected is None else self.selected[:rows], self.capacity, self.wide)
+    def view(self, rows: int, first: int = 0) -> "SlotState":
+        """Slots [first, first + rows), as views: a step on the view updates these buffers in place."""
+        r = slice(first, first + rows)
+        return SlotState(self.seq[r], self.prompt_len[r], self.work_len[r], self.block_start[r], self.active[r],
+                         self.steps[r], self.retired[r], self.key[r], {k: v[r] for k, v in self.policy.items()},
+                         {k: v[r] for k, v in self.params.items()}, None if self.selected is None else self.selected[r],
+                         self.capacity, self.wide)
 
     def narrow(self, width: int) -> "SlotState":
         """Positions [0, width) of every slot, as views (policies/windows.py): the sequence and the `wide` policy

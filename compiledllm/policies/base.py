@@ -171,6 +171,13 @@ class Policy(ABC):
         """Positions [0, end) the engine prefills into the KV before a request's first step (0: none)."""
         return self.first_block(prompt_len) if self.prefills else 0
 
+    def prefill_step(self) -> str | None:
+        """The phase whose update a prompt's last prefill forward also makes, its block's queries placed after the
+        prompt's (the request's first step, one forward fewer before its first block), or None: the first step is a
+        step of its own. Only a phase whose forward is the block against the cached prefix and whose update reads
+        nothing but that forward, its logits and the rows' state qualifies."""
+        return None
+
     kv_hook = False  # True: after_forward runs inside every phase (captured with it), with the step's KV store
 
     def after_forward(self, phase: str, st: SlotState, fwd: Forward, upd: Update, kv) -> None:

@@ -153,6 +153,11 @@ class ThresholdPolicy(BlockVerify, BlockPolicy):
                        .expand(B, Bk), logits_rows=self.needed(tokens, gen, st.policy),
                        route_groups=route_groups(positions, Bk, live))
 
+    def prefill_step(self) -> str | None:
+        """"decode" (block-causal models; not with verify, whose first step is two forwards, nor for a policy that
+        fills KV of its own after a forward: mage, herald)."""
+        return None if self.bidirectional or self.kv_hook or self.config.verify else "decode"
+
     def update(self, phase, st, fwd, logits):
         if phase == "verify":
             return self.block_verify_update(st, logits)
