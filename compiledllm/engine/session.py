@@ -197,15 +197,14 @@ class EngineSession:
         decoding = [s for s, o in enumerate(owner) if o is not None and o.prefill.left == 0 and s not in ready]
         turn = prefilling and prefill_turn(self.engine.config.prefill_priority, len(decoding),
                                            sum(owner[s].first_block is None for s in decoding))
-        stepped = []  # rows whose prefill made their first step too (Prefiller's first_step)
+        stepped: list[int] = []  # rows whose prefill made their first step too (Prefiller's first_step)
         if turn:  # (the rows in their first block are counted only while prompts wait)
             t = time.perf_counter()
-            stepped = self._prefill(prefilling, everyone=turn == "all", events=events)
-            ready += stepped
+            done = self._prefill(prefilling, everyone=turn == "all", events=events)
+            ready += done
+            stepped = done if self.prefiller.first_step is not None else []
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
-            if self.prefiller.first_step is None:
-                stepped = []
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
         if ready:
             ready.sort()
@@ -234,7 +233,7 @@ class EngineSession:
         self._counts.decode_steps += 1
         t = time.perf_counter()
         policy.after_step(self.host, report)
-        self._collect(decoding, report, events)
+        self._begun = self._collect(decoding, report, events)
         self._counts.hooks(t)
         return events
 
@@ -339,13 +338,14 @@ class EngineSession:
         if self.prefiller.first_step is not None and done:
             report = StepReport(*self.st.host_view())
             self.st.retired.zero_()
-            begun = self._begun
-            self._collect(done, report, events)  # a block retired, or the request ended, in its first step
-            self._begun = sorted(set(begun) | set(self._begun))
+            begun = self._collect(done, report, events)  # a block retired, or the request ended, in its first step
+            self._begun = sorted(set(self._begun) | set(begun))
             done = [s for s in done if self._owner[s] is not None]
         return done
 
-    def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> None:
+    def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> list[int]:
+        """The step's events for `decoding` (block events, finished requests, their slots freed); returns the rows
+        that begin a block with the next step."""
         begun, now, new = [], self.now(), self._new_tokens(decoding, report)
         for s in decoding:
             req = self._owner[s]
@@ -362,9 +362,9 @@ class EngineSession:
             if reason is not None:
                 self.st.active[s] = False
             events.append(FinishEvent(req.id, self._finish(req, reason)))
-        self._begun = begun
         if begun:
             self.policy.on_blocks(self.host, begun)
+        return begun
 
     def _new_tokens(self, rows: list[int], report: StepReport) -> dict[int, list[int]]:
         """Per row that retired blocks: its tokens made final since its last BlockEvent, every row in one copy (one
