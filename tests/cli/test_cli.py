@@ -341,7 +341,8 @@ def test_recipe_show_round_trips(tmp_path):
                               "rule": "engine", "commit": "auto", "verify": False, "gamma": 0.8,
                               "verify_rule": "agree", "search": 8}
     assert data["generation"] == {"max_new_tokens": 12, "max_seq_len": None, "ignore_eos": False}
-    assert data["prefill"] == {"chunk": 4096, "tokens": 16384, "compile": "auto", "priority": "throughput"}
+    assert data["prefill"] == {"chunk": 4096, "tokens": 16384, "compile": "auto", "priority": "throughput",
+                               "first_step": True}
     assert run_cli("recipe", "show", shown).stdout.splitlines()[2:] == res.stdout.splitlines()[2:]
 
 
