@@ -406,11 +406,12 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   # take ~1,050 s on an H100 (more than a call), so by default each test folder runs as its own pytest at once (nothing
   # here is timed; the max-batch bench test bounds its own memory), then the tests marked bigmem alone (run at once,
   # they ran the card out of memory); GPULIST_PATHS runs those paths as one pytest. -v: a list cut by its timeout
-  # still names every test that ran
+  # still names every test that ran. Each folder's pytest stops after GPULIST_TIMEOUT (default 900 s: beside the
+  # `syncs` stage the twenty-fifth session's engine folder was cut at 560 s, at its 20th of 28 tests)
   python3 -c "import compiledllm._cpu_select" 2>/dev/null || python3 setup.py build_ext --inplace -q >"$OUT/ext_build.log" 2>&1
   gpulist() {  # $1: log tag, $2: marker expression, then the paths
     local tag=$1 marks=$2; shift 2
-    timeout -k 20 ${GPULIST_TIMEOUT:-560} python3 -m pytest -v -m "$marks" "$@" --durations=12 -p no:cacheprovider \
+    timeout -k 20 ${GPULIST_TIMEOUT:-900} python3 -m pytest -v -m "$marks" "$@" --durations=12 -p no:cacheprovider \
       > "$OUT/gpu_list_$tag.log" 2>&1
   }
   t0=$(date +%s)
