@@ -37,10 +37,13 @@ def run(model, policy, first_step, arrivals, **settings):
                                     {"name": "threshold", "block_size": 4, "threshold": 0.6, "commit": "fused"},
                                     {"name": "threshold", "block_size": 4, "threshold": 1.0, "steps": 2},
                                     {"name": "threshold", "block_size": 4, "threshold": 0.05, "commit": "fused"},
-                                    {"name": "threshold", "block_size": 4, "rule": "sdar_dynamic"}])
+                                    {"name": "threshold", "block_size": 4, "rule": "sdar_dynamic"},
+                                    {"name": "threshold", "block_size": 4, "threshold": 0.7, "temperature": 0.8,
+                                     "top_k": 20}])
 def test_the_first_step_in_prefill_changes_no_token_and_saves_a_decode_step(model, policy):
     """Prompts on and off block boundaries, one longer than a prefill chunk, requests joining while others decode,
-    one with 2 new tokens (it can end in its first step), and with tau 0.05 blocks that retire in it."""
+    one with 2 new tokens (it can end in its first step), with tau 0.05 blocks that retire in it, and sampling (its
+    keys count the block's steps, not forwards)."""
     prompts = prompts_of([8, 13, 37, 5, 22], model.config.vocab_size)
     arrivals = {0: [(0, prompts[0], RequestParams(20)), (1, prompts[1], RequestParams(2)),
                     (2, prompts[2], RequestParams(9))],
