@@ -346,7 +346,8 @@ class EngineSession:
     def _collect(self, decoding: list[int], report: StepReport, events: list[Event]) -> list[int]:
         """The step's events for `decoding` (block events, finished requests, their slots freed); returns the rows
         that begin a block with the next step."""
-        begun, now, new = [], self.now(), self._new_tokens(decoding, report)
+        begun, now = [], self.now()
+        new = self._new_tokens(decoding, report) if self.block_events else {}
         for s in decoding:
             req = self._owner[s]
             reason = None
@@ -370,13 +371,11 @@ class EngineSession:
         """Per row that retired blocks: its tokens made final since its last BlockEvent, every row in one copy (one
         sync a step, not two a row)."""
         spans = {}
-        for s in rows:
+        for s in (s for s in rows if report.retired[s]):
             req = self._owner[s]
-            if self.block_events and report.retired[s]:
-                P = len(req.prompt)
-                lo, hi = P + req.sent, min(report.block_start[s], P + req.max_new)
-                if hi > lo:
-                    spans[s] = (lo, hi)
+            lo, hi = len(req.prompt) + req.sent, min(report.block_start[s], len(req.prompt) + req.max_new)
+            if hi > lo:
+                spans[s] = (lo, hi)
         if not spans:
             return {}
         seq = self.st.seq
