@@ -33,3 +33,29 @@ def test_kernel_in_interpreter(check, tmp_path):
     shared = compile_sm90(log)
     assert shared, f"{check}: no launch recorded"
     assert all(0 <= b <= SM90_SHARED_BYTES for b in shared.values()), shared
+
+
+@pytest.mark.parametrize("user", [None, "0"])
+def test_fp_fusion_pinned_on_unless_the_user_set_it(user):
+    """Importing compiledllm keeps Triton's FMA contraction on (the kernels' measured numerics), with no warning from
+    Triton 3.9 that the default is unset; a user's own TRITON_DEFAULT_FP_FUSION stays."""
+    code = ("import os, warnings\n"
+            "import compiledllm\n"
+            "from triton import knobs\n"
+            "print(os.environ['TRITON_DEFAULT_FP_FUSION'])\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    ask = getattr(knobs.language, 'fp_fusion_enabled', None)  # Triton >= 3.9\n"
+            "    on = ask(None) if ask else None\n"
+            "print(on, sum('FP_FUSION' in str(w.message) for w in seen))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    if user is not None:
+        env["TRITON_DEFAULT_FP_FUSION"] = user
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    value, knob = proc.stdout.split("\n")[:2]
+    assert value == (user or "1")
+    on, warned = knob.split()
+    assert warned == "0" and on in ({"None", "True"} if user is None else {"None", "False"})
