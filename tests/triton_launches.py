@@ -91,6 +91,7 @@ def compile_kernel(fn, signature: dict, constexprs: dict, options: dict):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import compiledllm  # noqa: F401  (compiled with the product's Triton settings: its FMA contraction)
     src = ASTSource(fn=fn, signature=signature | {k: "constexpr" for k in constexprs}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
