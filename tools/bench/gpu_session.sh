@@ -31,7 +31,7 @@
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
-# once, the whole list), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
+# once, the whole list; GPULIST_OWN: files run as pytests of their own beside their folder), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # exportbench (a CUDA export of the quickstart model timed against the live engine, same call),
 # syncs (issue 27: tools/bench/sync_points.py, the decode loop's synchronising calls by line, Dense and HERALD's host form),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
@@ -418,7 +418,7 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   if [ -n "${GPULIST_PATHS:-}" ]; then
     gpulist "${GPULIST_TAG:-all}" gpu $GPULIST_PATHS; tail -n 22 "$OUT/gpu_list_${GPULIST_TAG:-all}.log"
   else
-    # the files of GPULIST_OWN (default: the engine folder's compiled-step tests, 22 of its 28) run as pytests of
+    # the files of GPULIST_OWN (default: the engine folder's compiled-step tests, 22 of its 29) run as pytests of
     # their own beside their folder's, which skips them: alone the engine folder outlasted a call
     own=${GPULIST_OWN-tests/engine/test_gpu_engine.py}; tags=""
     for f in $own; do t=$(basename "$f" .py); tags="$tags $t"; gpulist "$t" "gpu and not bigmem" "$f" & done
