@@ -31,7 +31,8 @@
 # kernel against the separate path), flashspeed (issue 28: compiledllm bench of recipes/bench_llada8b.yaml for each of
 # Fast-dLLM's no-cache / prefix / dual, Elastic-Cache and flash_dllm, + verify, separate cache path, logit tracker score;
 # FLASH_POLICIES, FLASH_OUTPUTS, FLASH_BATCHES), gpulist (issue 31 item 6: `pytest -m gpu` of every test folder at
-# once, the whole list; GPULIST_OWN: files run as pytests of their own beside their folder), aoti (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
+# once, the whole list; GPULIST_OWN: files run as pytests of their own beside their folder), aoti
+# (tools/bench/aoti_probe.py: the CUDA export load crash on one nn.Linear, ways round it),
 # exportbench (a CUDA export of the quickstart model timed against the live engine, same call),
 # syncs (issue 27: tools/bench/sync_points.py, the decode loop's synchronising calls by line, Dense and HERALD's host form),
 # heraldprof (issue 27: compiledllm profile of Dense and HERALD's host form at 32K), flashyard (issue 28:
