@@ -206,15 +206,15 @@ class EngineSession:
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
+        ready.sort()
+        admitted = [s for s in ready if s not in stepped]  # beginning a block with this step
         if ready:
-            ready.sort()
-            st.active[[s for s in ready if s not in stepped]] = True  # (a first step left its rows' own)
+            st.active[admitted] = True  # (a first step in prefill left its rows' own)
             policy.on_blocks(self.host, ready)
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
             return events
-        admitted = [s for s in ready if s not in stepped]  # beginning a block with this step
         view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(admitted))), self.host.state,
                         self.capacity, tuple(admitted))
         policy.before_step(self.host, view)
