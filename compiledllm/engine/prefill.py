@@ -134,15 +134,17 @@ class Prefiller:
 
         return split_rows(slots, self.row_sizes, fits)
 
-    def run(self, st: SlotState, kv: KVStore, first: int, rows: int, progress: dict[int, Progress]) -> int:
+    def run(self, st: SlotState, kv: KVStore, first: int, rows: int, progress: dict[int, Progress],
+            step: bool = True) -> int:
         """One chunk forward for slots [first, first + rows) (all prefilling); returns the positions written. With
-        `first_step`, the rows it finishes have made their first step too (active then unless it ended them)."""
+        `first_step` and `step`, the rows it finishes have made their first step too (active then unless it ended
+        them); with `step` False its first-step queries are padding (the forward's shape stays)."""
         slots = range(first, first + rows)
         left = [progress[s].left for s in slots]
         C = self.chunk_for(max(left))
         fwd, logits, finishing = self._forward(st, kv, first, rows, [progress[s].done for s in slots],
-                                               [progress[s].end for s in slots], C)
-        if self.first_step is not None and any(n <= C for n in left):
+                                               [progress[s].end for s in slots], C, stepping=step)
+        if self.first_step is not None and step and any(n <= C for n in left):
             policy, phase, eos = self.first_step
             rows_st = st.view(rows, first)
             step_st = replace(rows_st, active=finishing)  # the rows whose prefill ends here alone take part
@@ -179,9 +181,9 @@ class Prefiller:
             progress(len(shapes), len(shapes), what)
 
     def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
-                 C: int, write: bool = True):
-        """One forward of chunk C (C + B queries with `first_step`); returns its Forward, its logits and [rows] bool:
-        the rows whose prefill ends in it."""
+                 C: int, write: bool = True, stepping: bool = True):
+        """One forward of chunk C (C + B queries with `first_step`; padding where `stepping` is False); returns its
+        Forward, its logits and [rows] bool: the rows whose prefill ends in it."""
         dev, Bk = st.seq.device, self.block
         start = torch.tensor(done, device=dev)
         end = torch.tensor(ends, device=dev)
@@ -194,7 +196,7 @@ class Prefiller:
         if self.first_step is None:
             live, logits_at, need = real, torch.zeros((rows, 1), dtype=torch.long, device=dev), None  # head: one row
         else:  # the first step's block after the prefix of each row that ends here (module note)
-            step = finishing[:, None] & (pos >= end[:, None]) & (pos < end[:, None] + Bk) & (pos < cap)
+            step = (finishing & stepping)[:, None] & (pos >= end[:, None]) & (pos < end[:, None] + Bk) & (pos < cap)
             live = real | step
             logits_at = (end - start).clamp(max=Q - Bk)[:, None] + torch.arange(Bk, device=dev)
             gen = pos.gather(1, logits_at) >= st.prompt_len[first : first + rows, None]

@@ -200,9 +200,13 @@ class EngineSession:
         stepped: list[int] = []  # rows whose prefill made their first step too (Prefiller's first_step)
         if turn:  # (the rows in their first block are counted only while prompts wait)
             t = time.perf_counter()
-            done = self._prefill(prefilling, everyone=turn == "all", events=events)
+            # a first_block turn comes as the decoding rows begin a block, so its rows start in step with them; a
+            # first step made in its forward would put them a step ahead, which a lockstep policy pays for on most
+            # steps after (SDAR-4B, batch 128, H100: 19.0 against 13.9 ms a step, docs/results.md)
+            step_too = not (decoding and policy.lockstep and self.engine.config.prefill_priority == "first_block")
+            done = self._prefill(prefilling, everyone=turn == "all", events=events, step=step_too)
             ready += done
-            stepped = done if self.prefiller.first_step is not None else []
+            stepped = done if self.prefiller.first_step is not None and step_too else []
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
@@ -315,10 +319,10 @@ class EngineSession:
             self._begun = [dst if b == src else b for b in self._begun]
             self.policy.on_move(self.host, src, dst)
 
-    def _prefill(self, prefilling: list[int], everyone: bool, events: list[Event]) -> list[int]:
+    def _prefill(self, prefilling: list[int], everyone: bool, events: list[Event], step: bool) -> list[int]:
         """Prefill chunk forwards (scheduler.prefill_pieces); returns the slots whose prefill is complete and that
-        still decode. Where the forwards made those rows' first step (Prefiller's first_step), its events are
-        collected here, as a decode step's are."""
+        still decode. Where the forwards made those rows' first step (Prefiller's first_step, unless `step` is
+        False), its events are collected here, as a decode step's are."""
         owner = self._owner
         progress = {s: owner[s].prefill for s in prefilling}
         pieces = prefill_pieces(self.prefiller, prefilling, {s: owner[s].admitted for s in prefilling}, progress,
@@ -326,7 +330,7 @@ class EngineSession:
         t, first_turn = time.perf_counter(), self._counts.prefill_forwards == 0
         with profile_range("prefill"):
             for first, rows in pieces:
-                self._counts.prefill_tokens += self.prefiller.run(self.st, self.kv, first, rows, progress)
+                self._counts.prefill_tokens += self.prefiller.run(self.st, self.kv, first, rows, progress, step)
                 self._counts.prefill_forwards += 1
             if self.st.seq.device.type == "cuda":
                 torch.cuda.synchronize(self.st.seq.device)  # prefill time as spent, not as queued
@@ -335,7 +339,7 @@ class EngineSession:
         if first_turn:
             self._counts.prefill_first_s = dt
         done = [s for s in prefilling if progress[s].left == 0]
-        if self.prefiller.first_step is not None and done:
+        if self.prefiller.first_step is not None and step and done:
             report = StepReport(*self.st.host_view())
             self.st.retired.zero_()
             begun = self._collect(done, report, events)  # a block retired, or the request ended, in its first step

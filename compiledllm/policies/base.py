@@ -178,6 +178,11 @@ class Policy(ABC):
         nothing but that forward, its logits and the rows' state qualifies."""
         return None
 
+    # True: rows that begin blocks on different steps cost this policy forwards (threshold's fused commit runs two
+    # blocks of queries for the whole batch on every step where some row begins one), so the engine keeps rows that
+    # join in step with the decoding ones where it can (engine/session.py, first_block prefill turns)
+    lockstep = False
+
     kv_hook = False  # True: after_forward runs inside every phase (captured with it), with the step's KV store
 
     def after_forward(self, phase: str, st: SlotState, fwd: Forward, upd: Update, kv) -> None:

@@ -84,6 +84,7 @@ class ThresholdPolicy(BlockVerify, BlockPolicy):
                             "block, which the fused commit writes a forward later; use separate (or auto)")
         if self.fused:
             self.phases = ("decode", "commit")
+            self.lockstep = True
         if config.verify:
             if self.name != "threshold":
                 raise UserError(f"policy.verify: a setting of threshold (and flash_dllm), not of {self.name}")
@@ -129,7 +130,14 @@ class ThresholdPolicy(BlockVerify, BlockPolicy):
         admitted: then its previous-block queries are dead), else "decode"."""
         if not self.fused:
             return super().schedule(step)
-        return ("commit",) if set(step.begun) & set(step.rows) else ("decode",)
+        commit = bool(set(step.begun) & set(step.rows))
+        step.state["commit_steps"] = step.state.get("commit_steps", 0) + commit
+        return ("commit",) if commit else ("decode",)
+
+    def host_stats(self, host):
+        """The fused commit's steps that ran two blocks of queries for the whole batch (one a block while the rows
+        begin blocks in step)."""
+        return {"commit_steps": host.state.get("commit_steps", 0)} if self.fused else {}
 
     def plan(self, phase: str, st) -> Forward:
         if phase == "verify":

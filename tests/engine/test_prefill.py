@@ -125,11 +125,11 @@ def test_first_block_priority_prefills_a_piece_once_the_decoding_rows_have_a_blo
     calls = []  # per prefill call: (decoding rows still in their first block, whether every piece runs)
     real = EngineSession._prefill
 
-    def spy(self, prefilling, everyone, events):
+    def spy(self, prefilling, everyone, events, step):
         waiting = [s for s, o in enumerate(self._owner) if o is not None and o.prefill.left == 0
                    and o.first_block is None and self.st.active[s]]
         calls.append((len(waiting), everyone))
-        return real(self, prefilling, everyone, events)
+        return real(self, prefilling, everyone, events, step)
 
     monkeypatch.setattr(EngineSession, "_prefill", spy)
     outs = {}

@@ -70,6 +70,22 @@ def test_first_block_priority_gets_its_first_block_a_step_sooner(model):
     assert plain_stats.decode_steps - stats.decode_steps >= 1
 
 
+def test_rows_joining_a_first_block_turn_stay_in_step_with_the_decoding_ones(model):
+    """prefill.priority first_block with the fused commit: a turn comes as the decoding rows begin a block, so the
+    rows it prefills join them in step; a first step made in that forward would put them a step ahead and make most
+    later steps commit steps (two blocks of queries for the whole batch; without the rule, 9 against 6 on SDAR). Only
+    the turn with nothing decoding makes it: same tokens, a step fewer, no more commit steps."""
+    policy = {"name": "threshold", "block_size": 4, "threshold": 1.0, "steps": 4, "commit": "fused"}
+    prompts = prompts_of([16] * 3, model.config.vocab_size, seed=4)
+    arrivals = {0: [(i, p, RequestParams(16)) for i, p in enumerate(prompts)]}
+    settings = dict(prefill_chunk=16, prefill_tokens=20, prefill_priority="first_block", ignore_eos=True)
+    plain, _, plain_stats, _ = run(model, policy, False, arrivals, **settings)
+    merged, _, stats, _ = run(model, policy, True, arrivals, **settings)
+    assert merged == plain
+    assert stats.decode_steps == plain_stats.decode_steps - 1
+    assert stats.policy["commit_steps"] <= plain_stats.policy["commit_steps"]
+
+
 def test_policies_with_host_hooks_or_two_forward_steps_keep_their_own_first_step(model):
     for policy in ({"name": "threshold", "block_size": 4, "verify": True},  # its first step is two forwards
                    {"name": "t2t", "block_size": 4},                          # not offered
