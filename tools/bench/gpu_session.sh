@@ -419,9 +419,10 @@ if has gpulist; then  # issue 31 item 6: every GPU test of the suite, the slowes
   if [ -n "${GPULIST_PATHS:-}" ]; then
     gpulist "${GPULIST_TAG:-all}" gpu $GPULIST_PATHS; tail -n 22 "$OUT/gpu_list_${GPULIST_TAG:-all}.log"
   else
-    # the files of GPULIST_OWN (default: the engine folder's compiled-step tests, 22 of its 29) run as pytests of
-    # their own beside their folder's, which skips them: alone the engine folder outlasted a call
-    own=${GPULIST_OWN-tests/engine/test_gpu_engine.py}; tags=""
+    # the files of GPULIST_OWN (default: the engine folder's compiled-step and prefill tests, 22 of its 29) run as
+    # pytests of their own beside their folder's, which skips them: alone the engine folder outlasted a call, and as
+    # one file (twenty-seventh session) these 22 took 626 s beside the other folders
+    own=${GPULIST_OWN-tests/engine/test_gpu_engine.py tests/engine/test_gpu_prefill.py}; tags=""
     for f in $own; do t=$(basename "$f" .py); tags="$tags $t"; gpulist "$t" "gpu and not bigmem" "$f" & done
     for d in tests/*/; do d=${d%/}; tags="$tags ${d#tests/}"
       gpulist "${d#tests/}" "gpu and not bigmem" "$d" $(for f in $own; do [ "${f#$d/}" != "$f" ] && echo "--ignore=$f"; done) &
