@@ -145,7 +145,7 @@ def run_point(model, config: EngineConfig, prompts: list[list[int]], arrivals: l
         "first_block_p50_s": statistics.median(r.first_block_s for r in results),
         **{f"latency_p{q}_s": percentile(lat, q) for q in (50, 90, 99)},
         "peak_memory_bytes": torch.cuda.max_memory_allocated(model.device) if cuda else None,
-        "hooks_s": s.hooks_s, "sync_s": s.sync_s, "policy_stats": s.policy, "phases": s.phases,
+        "hooks_s": s.hooks_s, "sync_s": s.sync_s, "policy_stats": s.policy, "phases": s.phases, "opening": s.opening,
     }
     del engine, results
     free_memory(model)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 
 from compiledllm.engine.prefill import Prefiller, Progress
 
+OPENING = 16  # steps whose timeline RunStats.opening keeps
+
 
 @dataclass(frozen=True)
 class RunStats:
@@ -39,6 +41,7 @@ class RunStats:
     sync_s: float = 0.0
     policy: dict = field(default_factory=dict)  # the policy's own counters (Policy.host_stats)
     phases: dict = field(default_factory=dict)  # per decode phase: runs, uncaptured runs, device seconds (phase_times)
+    opening: list = field(default_factory=list)  # the session's first OPENING steps, one dict each (Counters.note)
 
 
 @dataclass
@@ -57,6 +60,14 @@ class Counters:
     stall_max_s: float = 0.0
     hooks_s: float = 0.0
     sync_s: float = 0.0
+    opening: list = field(default_factory=list)
+
+    def note(self, **step) -> None:
+        """One step's timeline while fewer than OPENING are noted (where a burst's first blocks go): `at` on the
+        session clock, then seconds in prefill, the host before the launch, the launch, the sync's wait and the host
+        after it; the decoding rows and the phases."""
+        if len(self.opening) < OPENING:
+            self.opening.append({k: round(v, 6) if isinstance(v, float) else v for k, v in step.items()})
 
     def hooks(self, since: float) -> None:
         """Host-hook time since `since` (perf_counter): counted as decode time too."""

@@ -185,6 +185,7 @@ class EngineSession:
     # --- one step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
+        begin = time.perf_counter()
         if self.threads is not None:  # between steps: at most every threads.CHECK_S, one /proc/stat read
             self.threads.check()
         events: list[Event] = []
@@ -198,8 +199,8 @@ class EngineSession:
         turn = prefilling and prefill_turn(self.engine.config.prefill_priority, len(decoding),
                                            sum(owner[s].first_block is None for s in decoding))
         stepped: list[int] = []  # rows whose prefill made their first step too (Prefiller's first_step)
+        t = time.perf_counter()
         if turn:  # (the rows in their first block are counted only while prompts wait)
-            t = time.perf_counter()
             # a first_block turn comes as the decoding rows begin a block, so its rows start in step with them; a
             # first step made in its forward would put them a step ahead, which a lockstep policy pays for on most
             # steps after (SDAR-4B, batch 128, H100: 19.0 against 13.9 ms a step, docs/results.md)
@@ -209,6 +210,7 @@ class EngineSession:
             stepped = done if self.prefiller.first_step is not None and step_too else []
             if decoding:  # those rows waited for this forward before their next step
                 self._counts.stalled(time.perf_counter() - t)
+        prefill_s = time.perf_counter() - t
         t = time.perf_counter()  # decode time: the step and the policy's host hooks around it
         ready.sort()
         admitted = [s for s in ready if s not in stepped]  # beginning a block with this step
@@ -218,18 +220,21 @@ class EngineSession:
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
+            self._counts.note(at=begin - self.t0, prefill_s=prefill_s, rows=0)
             return events
         view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(admitted))), self.host.state,
                         self.capacity, tuple(admitted))
         policy.before_step(self.host, view)
         self._counts.hooks(t)
-        t = time.perf_counter()
+        before = time.perf_counter() - t
+        t = launched = time.perf_counter()
         schedule = narrow(policy.schedule(view), policy.narrow_phases, self.capacity, self.block, view.rows,
                           {s: owner[s].work_len for s in decoding}, self.host.state)
         self.stepper.run(1 + max(decoding), schedule, st.selected, self.timer)
         sync = time.perf_counter()
         report = StepReport(*st.host_view(self.host.wait_for()))  # the one host sync of a step
-        self._counts.sync_s += time.perf_counter() - sync
+        wait = time.perf_counter() - sync
+        self._counts.sync_s += wait
         if self.timer is not None:
             self.timer.collect()
         st.retired.zero_()
@@ -239,6 +244,9 @@ class EngineSession:
         policy.after_step(self.host, report)
         self._begun = self._collect(decoding, report, events)
         self._counts.hooks(t)
+        self._counts.note(at=begin - self.t0, prefill_s=prefill_s, before_s=before, launch_s=sync - launched,
+                          sync_s=wait, after_s=time.perf_counter() - t, rows=len(decoding),
+                          phases=[getattr(r, "phase", r) for r in schedule])
         return events
 
     def _cancellations(self, events: list[Event]) -> None:

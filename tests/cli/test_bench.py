@@ -30,7 +30,7 @@ POINT_KEYS = {"prompt_len", "output_len", "batch_asked", "batch", "requests", "p
               "decode_steps", "decode_s", "decode_tokens_per_s", "decode_step_ms", "stalled_steps", "stall_max_ms",
               "stall_mean_ms", "output_tokens_per_s", "first_block_p50_s",
               "latency_p50_s", "latency_p90_s", "latency_p99_s", "peak_memory_bytes", "touched_experts",
-              "touched_rows", "experts", "touched_uniform", "hooks_s", "sync_s", "policy_stats", "phases"}
+              "touched_rows", "experts", "touched_uniform", "hooks_s", "sync_s", "policy_stats", "phases", "opening"}
 
 
 def write_recipe(tmp_path: Path, **sections) -> Path:

@@ -108,6 +108,29 @@ def test_prefill_interleaved_with_decoding_keeps_every_rows_tokens(sdar):
     assert 0 < s.sync_s and s.sync_s + s.hooks_s < s.decode_s  # the steps' host syncs: a part of the decode time
 
 
+def test_the_opening_steps_timeline_splits_the_first_blocks_wait(sdar):
+    """RunStats.opening: the session's first 16 steps, each its start on the session clock and its parts (prefill,
+    host before the launch, launch, sync's wait, host after), which fit between it and the next step's start; a
+    first_block turn's prefill shows in the step it ran before, and the first block comes at a step's end."""
+    from compiledllm.engine.scheduler import OPENING
+
+    prompts = prompts_of([30, 25, 31, 28], sdar.config.vocab_size, seed=4)
+    eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=24, batch_size=4, prefill_chunk=32, prefill_tokens=64,
+                                    prefill_priority="first_block", ignore_eos=True))
+    res = eng.generate(prompts)
+    steps = eng.stats.opening
+    assert len(steps) == min(OPENING, eng.stats.decode_steps + sum(s["rows"] == 0 for s in steps))
+    parts = ("prefill_s", "before_s", "launch_s", "sync_s", "after_s")
+    for a, b in zip(steps, steps[1:]):
+        assert a["at"] <= b["at"] and sum(a.get(k, 0.0) for k in parts) <= b["at"] - a["at"] + 1e-3
+    assert steps[0]["prefill_s"] > 0 and steps[0]["rows"] == 2  # two prompts a forward, nothing decoding yet
+    turns = [s for s in steps[1:] if s["prefill_s"] > 1e-3]
+    assert turns and all(s["rows"] == 4 for s in turns)  # the second pair's forward, once the first had a block
+    ends = [s["at"] + sum(s.get(k, 0.0) for k in parts) for s in steps]
+    first = min(r.first_block_s for r in res)
+    assert min(abs(first - e) for e in ends) < 5e-3 and all(s["phases"] for s in steps if s["rows"])
+
+
 def test_prefill_of_requests_arriving_together_stalls_no_decode_step(sdar):
     """Equal prompts all at once: every row is prefilled (a chunk each per loop) before any decodes."""
     eng = Engine(sdar, EngineConfig(POLICY, max_new_tokens=8, batch_size=3, prefill_chunk=16, prefill_tokens=16))
