@@ -277,8 +277,8 @@ class EngineSession:
 
     def _admit(self) -> set[int]:
         """Queued requests into free slots, lowest first; returns the ids of those that need no prefill."""
-        ready = set()
         admit = getattr(self.kv, "admit", None)  # a store that lends rows device memory for prefill (kv/offload.py)
+        placed: list[tuple[int, _Request]] = []
         for s in range(self.slots):
             if self._owner[s] is None and self._queue:
                 if admit is not None and not admit(s):
@@ -286,28 +286,30 @@ class EngineSession:
                 req = self._queue.popleft()
                 req.slot, req.admitted = s, self._admitted
                 self._admitted += 1
-                req.prefill = self._place(s, req)
                 self._owner[s] = req
-                if req.prefill.left == 0:
-                    ready.add(req.id)
-        return ready
+                placed.append((s, req))
+        if placed:
+            self._place(placed)
+        return {req.id for _, req in placed if req.prefill.left == 0}
 
-    def _place(self, s: int, req: _Request) -> Progress:
-        """Write a request into slot s; it decodes once [0, policy.prefill_end) is in its KV (Progress)."""
-        st, P = self.st, len(req.prompt)
-        st.seq[s].fill_(self.model.mask_token_id)
-        st.seq[s, :P] = torch.tensor(req.prompt, device=st.seq.device)
-        start = self.policy.first_block(P)
-        req.work_len = working_length(P, req.max_new, self.block, start)
-        st.prompt_len[s], st.work_len[s], st.block_start[s] = P, req.work_len, start
-        cached = self.policy.prefill_end(P) if self.kv is not None else 0
-        st.steps[s], st.active[s], st.retired[s] = 0, cached == 0, 0
-        st.key[s] = req.key  # its own noise: batch invariant
-        for v in st.policy.values():
-            v[s] = 0
-        for k, v in st.params.items():
-            v[s] = req.params[k]
-        return Progress(0, cached)
+    def _place(self, placed: list[tuple[int, _Request]]) -> None:
+        """Write requests into their slots (SlotState.place: one write a buffer for all of them); each decodes once
+        [0, policy.prefill_end) is in its KV (its Progress)."""
+        rows: dict[str, list] = {name: [] for name in ("prompt_len", "work_len", "block_start", "steps", "active",
+                                                        "retired", "key")}
+        rows |= {f"params.{k}": [] for k in self.st.params}
+        for s, req in placed:
+            P = len(req.prompt)
+            start = self.policy.first_block(P)
+            req.work_len = working_length(P, req.max_new, self.block, start)
+            cached = self.policy.prefill_end(P) if self.kv is not None else 0
+            req.prefill = Progress(0, cached)
+            for name, v in (("prompt_len", P), ("work_len", req.work_len), ("block_start", start), ("steps", 0),
+                            ("active", cached == 0), ("retired", 0), ("key", req.key)):
+                rows[name].append(v)
+            for k in self.st.params:
+                rows[f"params.{k}"].append(req.params[k])
+        self.st.place([s for s, _ in placed], [req.prompt for _, req in placed], self.model.mask_token_id, rows)
 
     def _compact(self) -> None:
         """Move the highest live rows into free low slots while that lets a smaller batch bucket hold them all."""

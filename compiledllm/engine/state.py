@@ -60,6 +60,22 @@ class SlotState:
         for t in self.tensors().values():
             t[dst] = t[src]
 
+    def place(self, slots: list[int], prompts: list[list[int]], fill: int, rows: dict[str, list]) -> None:
+        """Requests into `slots`: each one's sequence its prompt, then `fill`; its policy state zeroed; the buffers
+        `rows` names (as `tensors()` does) set to its values. One indexed write a buffer for all the slots: written
+        slot by slot, a request cost ~15 small device writes (128 requests: ~12 ms of admission on the CPU)."""
+        dev = self.seq.device
+        idx = torch.tensor(slots, device=dev)
+        width = max(len(p) for p in prompts)
+        host = torch.tensor([p + [fill] * (width - len(p)) for p in prompts], dtype=self.seq.dtype)
+        self.seq[idx] = fill
+        self.seq[idx, :width] = host.to(dev)
+        buffers = self.tensors()
+        for name, values in rows.items():
+            buffers[name][idx] = torch.tensor(values, dtype=buffers[name].dtype).to(dev)
+        for v in self.policy.values():
+            v[idx] = 0
+
     def host_view(self, done: torch.cuda.Event | None = None) -> tuple[list[bool], list[int], list[int]]:
         """(active, retired, block_start) per slot: the one host sync of a step (first a sleeping wait on `done`,
         where given)."""

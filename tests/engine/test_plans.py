@@ -44,6 +44,22 @@ def test_apply_update_writes_advances_and_stops():
     assert st.steps.tolist() == [1, 1, 0] and st.policy["n"].tolist() == [1, 2, 0]
 
 
+def test_place_writes_every_named_buffer_of_its_slots_and_nothing_else():
+    """SlotState.place (admission, one write a buffer): prompts then the fill, the rows' values, policy state
+    zeroed; the other slots keep theirs."""
+    st = SlotState.allocate(4, 8, {"n": torch.zeros(4, 2, dtype=torch.long)}, MASK, "cpu",
+                            params={"temperature": torch.zeros(4)})
+    for t in st.tensors().values():
+        t.fill_(7)
+    st.place([1, 3], [[5, 6, 9], [4]], MASK, {"prompt_len": [3, 1], "active": [True, False], "key": [11, 12],
+                                              "params.temperature": [0.5, 0.0]})
+    assert st.seq[1].tolist() == [5, 6, 9] + [MASK] * 5 and st.seq[3].tolist() == [4] + [MASK] * 7
+    assert st.prompt_len.tolist() == [7, 3, 7, 1] and st.active.tolist() == [True, True, True, False]
+    assert st.key.tolist() == [7, 11, 7, 12] and st.params["temperature"].tolist() == [7.0, 0.5, 7.0, 0.0]
+    assert st.policy["n"].tolist() == [[7, 7], [0, 0], [7, 7], [0, 0]]
+    assert st.seq[0].tolist() == [7] * 8 and st.work_len.tolist() == [7] * 4  # not named: unchanged
+
+
 def test_eos_stops_only_from_generated_tokens_of_retired_blocks():
     st = state(2)
     st.seq[0, 2] = EOS  # in the prompt: never stops
