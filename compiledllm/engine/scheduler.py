@@ -64,8 +64,8 @@ class Counters:
 
     def note(self, **step) -> None:
         """One step's timeline while fewer than OPENING are noted (where a burst's first blocks go): `at` on the
-        session clock, then seconds in prefill, the host before the launch, the launch, the sync's wait and the host
-        after it; the decoding rows and the phases."""
+        session clock, then seconds admitting requests, in prefill, the host before the launch, the launch, the
+        sync's wait and the host after it; the decoding rows and the phases."""
         if len(self.opening) < OPENING:
             self.opening.append({k: round(v, 6) if isinstance(v, float) else v for k, v in step.items()})
 

@@ -192,6 +192,7 @@ class EngineSession:
         self._cancellations(events)
         ready = self._admit()
         self._compact()
+        admit_s = time.perf_counter() - begin
         ready = [s for s, o in enumerate(self._owner) if o is not None and o.id in ready]
         owner, st, policy = self._owner, self.st, self.policy
         prefilling = [s for s, o in enumerate(owner) if o is not None and o.prefill.left > 0]
@@ -220,7 +221,7 @@ class EngineSession:
         decoding = sorted(decoding + ready)
         if not decoding:
             self._counts.hooks(t)
-            self._counts.note(at=begin - self.t0, prefill_s=prefill_s, rows=0)
+            self._counts.note(at=begin - self.t0, admit_s=admit_s, prefill_s=prefill_s, rows=0)
             return events
         view = StepView(tuple(decoding), tuple(sorted(set(self._begun) | set(admitted))), self.host.state,
                         self.capacity, tuple(admitted))
@@ -244,7 +245,8 @@ class EngineSession:
         policy.after_step(self.host, report)
         self._begun = self._collect(decoding, report, events)
         self._counts.hooks(t)
-        self._counts.note(at=begin - self.t0, prefill_s=prefill_s, before_s=before, launch_s=sync - launched,
+        self._counts.note(at=begin - self.t0, admit_s=admit_s, prefill_s=prefill_s, before_s=before,
+                          launch_s=sync - launched,
                           sync_s=wait, after_s=time.perf_counter() - t, rows=len(decoding),
                           phases=[getattr(r, "phase", r) for r in schedule])
         return events

@@ -109,8 +109,8 @@ def test_prefill_interleaved_with_decoding_keeps_every_rows_tokens(sdar):
 
 
 def test_the_opening_steps_timeline_splits_the_first_blocks_wait(sdar):
-    """RunStats.opening: the session's first 16 steps, each its start on the session clock and its parts (prefill,
-    host before the launch, launch, sync's wait, host after), which fit between it and the next step's start; a
+    """RunStats.opening: the session's first 16 steps, each its start on the session clock and its parts (admission,
+    prefill, host before the launch, launch, sync's wait, host after), which fit between it and the next step's; a
     first_block turn's prefill shows in the step it ran before, and the first block comes at a step's end."""
     from compiledllm.engine.scheduler import OPENING
 
@@ -120,7 +120,7 @@ def test_the_opening_steps_timeline_splits_the_first_blocks_wait(sdar):
     res = eng.generate(prompts)
     steps = eng.stats.opening
     assert len(steps) == min(OPENING, eng.stats.decode_steps + sum(s["rows"] == 0 for s in steps))
-    parts = ("prefill_s", "before_s", "launch_s", "sync_s", "after_s")
+    parts = ("admit_s", "prefill_s", "before_s", "launch_s", "sync_s", "after_s")
     for a, b in zip(steps, steps[1:]):
         assert a["at"] <= b["at"] and sum(a.get(k, 0.0) for k in parts) <= b["at"] - a["at"] + 1e-3
     assert steps[0]["prefill_s"] > 0 and steps[0]["rows"] == 2  # two prompts a forward, nothing decoding yet
