@@ -246,8 +246,7 @@ class EngineSession:
         self._begun = self._collect(decoding, report, events)
         self._counts.hooks(t)
         self._counts.note(at=begin - self.t0, admit_s=admit_s, prefill_s=prefill_s, before_s=before,
-                          launch_s=sync - launched,
-                          sync_s=wait, after_s=time.perf_counter() - t, rows=len(decoding),
+                          launch_s=sync - launched, sync_s=wait, after_s=time.perf_counter() - t, rows=len(decoding),
                           phases=[getattr(r, "phase", r) for r in schedule])
         return events
 
@@ -297,21 +296,19 @@ class EngineSession:
     def _place(self, placed: list[tuple[int, _Request]]) -> None:
         """Write requests into their slots (SlotState.place: one write a buffer for all of them); each decodes once
         [0, policy.prefill_end) is in its KV (its Progress)."""
-        rows: dict[str, list] = {name: [] for name in ("prompt_len", "work_len", "block_start", "steps", "active",
-                                                        "retired", "key")}
-        rows |= {f"params.{k}": [] for k in self.st.params}
-        for s, req in placed:
-            P = len(req.prompt)
-            start = self.policy.first_block(P)
-            req.work_len = working_length(P, req.max_new, self.block, start)
-            cached = self.policy.prefill_end(P) if self.kv is not None else 0
-            req.prefill = Progress(0, cached)
-            for name, v in (("prompt_len", P), ("work_len", req.work_len), ("block_start", start), ("steps", 0),
-                            ("active", cached == 0), ("retired", 0), ("key", req.key)):
-                rows[name].append(v)
-            for k in self.st.params:
-                rows[f"params.{k}"].append(req.params[k])
-        self.st.place([s for s, _ in placed], [req.prompt for _, req in placed], self.model.mask_token_id, rows)
+        reqs = [req for _, req in placed]
+        P = [len(r.prompt) for r in reqs]
+        start = [self.policy.first_block(p) for p in P]
+        cached = [self.policy.prefill_end(p) if self.kv is not None else 0 for p in P]
+        for r, p, b, c in zip(reqs, P, start, cached):
+            r.work_len = working_length(p, r.max_new, self.block, b)
+            r.prefill = Progress(0, c)
+        n = len(reqs)
+        rows = {"prompt_len": P, "work_len": [r.work_len for r in reqs], "block_start": start, "steps": [0] * n,
+                "active": [c == 0 for c in cached], "retired": [0] * n,
+                "key": [r.key for r in reqs]}  # each request's own noise: batch invariant
+        rows |= {f"params.{k}": [r.params[k] for r in reqs] for k in self.st.params}
+        self.st.place([s for s, _ in placed], [r.prompt for r in reqs], self.model.mask_token_id, rows)
 
     def _compact(self) -> None:
         """Move the highest live rows into free low slots while that lets a smaller batch bucket hold them all."""
