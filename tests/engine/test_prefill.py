@@ -11,7 +11,8 @@ from compiledllm.engine import generate
 
 def test_chunked_prefill_matches_literal_decode(tmp_path):
     model = compiledllm.load_model(write_checkpoint(tmp_path / "m", "sdar", 4, max_position_embeddings=4096))
-    prompt = torch.randint(2, model.config.vocab_size, (1, 1100), generator=torch.Generator().manual_seed(0))[0].tolist()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, model.config.vocab_size, (1, 1100), generator=g)[0].tolist()
     policy = {"name": "threshold", "block_size": 8, "threshold": 0.5}
     out = generate(model, [prompt], policy, max_new_tokens=10)[0].output_ids  # 1096 prefilled: two chunks
     ref = literal_decode(lambda ids, bs: model.reference_forward(ids, bs), prompt, policy="threshold", block_size=8,
@@ -32,7 +33,8 @@ POLICY = {"name": "threshold", "block_size": 8, "threshold": 0.5}
 
 @pytest.fixture(scope="module")
 def sdar(tmp_path_factory):
-    return compiledllm.load_model(write_checkpoint(tmp_path_factory.mktemp("m"), "sdar", 5, max_position_embeddings=1024))
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("m"), "sdar", 5, max_position_embeddings=1024)
+    return compiledllm.load_model(ckpt)
 
 
 def prompts_of(lengths, vocab, seed=1):
