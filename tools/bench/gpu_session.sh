@@ -144,7 +144,9 @@ if has prefirst; then  # issue 31 items 2, 5: the SDAR-4B workload under the def
   # prefill.priority=first_block with a first forward of 65 of the 128 prompts (PREFIRST_FORMS picks and orders them);
   # first72: first with a 72-row batch bucket, so that those 65 rows' first block steps run at 72 rows, not 128;
   # a form ending in "ns" (firstns, first72ns, autons): the same with `prefill.first_step: false` (the first decode
-  # step a forward of its own, as before the twenty-fifth session)
+  # step a forward of its own, as before the twenty-fifth session); the card's copy and matmul rates first, in the
+  # same call (the first forward's floor is its FLOPs at that rate, a step's its bytes at the copy rate)
+  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/prefirst_ceilings.json', 'w'))"
   for form in ${PREFIRST_FORMS:-auto false first}; do
     base=${form%ns}
     sets="--set prefill.compile=$base"
