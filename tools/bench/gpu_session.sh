@@ -55,6 +55,9 @@ fi
 SITE_PATH=${PYTHONPATH:-}  # the carried wheels only (the versus stage puts another tree after them)
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+ceilings() {  # $1: JSON of this card's copy and bf16 matmul rates, measured now (gpu_timing.ceilings)
+  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$1', 'w'))"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
   timeout -k 20 ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/models/test_triton_kernels.py tests/models/test_head.py tests/engine/test_gpu_engine.py tests/cli/test_export.py tests/cli/test_profile.py \
@@ -146,7 +149,7 @@ if has prefirst; then  # issue 31 items 2, 5: the SDAR-4B workload under the def
   # a form ending in "ns" (firstns, first72ns, autons): the same with `prefill.first_step: false` (the first decode
   # step a forward of its own, as before the twenty-fifth session); the card's copy and matmul rates first, in the
   # same call (the first forward's floor is its FLOPs at that rate, a step's its bytes at the copy rate)
-  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/prefirst_ceilings.json', 'w'))"
+  ceilings "$OUT/prefirst_ceilings.json"
   for form in ${PREFIRST_FORMS:-auto false first}; do
     base=${form%ns}
     sets="--set prefill.compile=$base"
@@ -164,7 +167,7 @@ if has moeprefill; then  # issue 19: routed experts at prefill sizes against the
 fi
 if has e2e; then  # issue 19: compiledllm bench end to end (4K-32K, outputs 512, the probed largest batch), SDAR-8B,
   # and prefill interleaved under a request rate; ideal / share: tools/bench/e2e_ideal.py on the JSON afterwards
-  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
+  ceilings "$OUT/ceilings.json"
   R=recipes/profile_llada2_mini.yaml
   timeout -k 20 ${E2E_TIMEOUT:-170} python3 -m compiledllm bench $R --set compile=$COMPILE --prompt-len 4096,16000,32000 --output-len 512 \
     --batch 1,8,32 --out "$OUT/e2e_llada.json" 2>&1 | grep --line-buffered -v -i warn | tail -8
@@ -283,7 +286,7 @@ if has commit; then  # threshold's fused commit against the separate one, same c
   done
 fi
 if has targets; then  # issue 31's targets, the default (compile: auto) beside compile=false, ceilings of this call
-  python3 -c "import json, sys; sys.path.insert(0, 'tools/bench'); from gpu_timing import ceilings; json.dump(ceilings(), open('$OUT/ceilings.json', 'w'))"
+  ceilings "$OUT/ceilings.json"
   for run in auto:separate auto:fused false:separate false:fused; do
     timeout -k 20 ${TARGETS_TIMEOUT:-150} python3 -m compiledllm bench recipes/bench_block48_standard.yaml \
       --set compile=${run%:*} --set policy.commit=${run#*:} --set policy.steps=8 --prompt-len 4096 --output-len 256 \
