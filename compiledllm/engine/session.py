@@ -361,6 +361,7 @@ class EngineSession:
         that begin a block with the next step."""
         begun, now = [], self.now()
         new = self._new_tokens(decoding, report) if self.block_events else {}
+        final = self._final([s for s in decoding if not report.active[s]], report)
         for s in decoding:
             req = self._owner[s]
             reason = None
@@ -375,23 +376,35 @@ class EngineSession:
                 continue
             if reason is not None:
                 self.st.active[s] = False
-            events.append(FinishEvent(req.id, self._finish(req, reason)))
+            events.append(FinishEvent(req.id, self._finish(req, reason, final.get(s))))
         if begun:
             self.policy.on_blocks(self.host, begun)
         return begun
 
     def _new_tokens(self, rows: list[int], report: StepReport) -> dict[int, list[int]]:
-        """Per row that retired blocks: its tokens made final since its last BlockEvent, every row in one copy (one
-        sync a step, not two a row)."""
+        """Per row that retired blocks: its tokens made final since its last BlockEvent."""
         spans = {}
         for s in (s for s in rows if report.retired[s]):
             req = self._owner[s]
-            lo, hi = len(req.prompt) + req.sent, min(report.block_start[s], len(req.prompt) + req.max_new)
-            if hi > lo:
-                spans[s] = (lo, hi)
+            spans[s] = (len(req.prompt) + req.sent, min(report.block_start[s], len(req.prompt) + req.max_new))
+        return self._read_spans(spans)
+
+    def _final(self, rows: list[int], report: StepReport) -> dict[int, tuple[list[int], int, int]]:
+        """Per row that ended with the step: (its output up to max_new, its steps, its block start), every row in
+        two copies (not three syncs a row: a burst's rows end in the same step)."""
+        if not rows:
+            return {}
+        out = self._read_spans({s: (len(self._owner[s].prompt), len(self._owner[s].prompt) + self._owner[s].max_new)
+                                for s in rows})
+        steps = self.st.steps.tolist()
+        return {s: (out.get(s, []), steps[s], report.block_start[s]) for s in rows}
+
+    def _read_spans(self, spans: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
+        """seq[s, lo:hi] per slot s of `spans`, every row in one copy (one sync, not one a row)."""
+        seq = self.st.seq
+        spans = {s: (lo, min(hi, seq.shape[1])) for s, (lo, hi) in spans.items() if min(hi, seq.shape[1]) > lo}
         if not spans:
             return {}
-        seq = self.st.seq
         width = max(hi - lo for lo, hi in spans.values())
         idx = torch.tensor([lo for lo, _ in spans.values()])[:, None] + torch.arange(width)
         at = torch.tensor(list(spans)).to(seq.device)
@@ -425,20 +438,24 @@ class EngineSession:
         at, stop = min((text.find(x), x) for x in req.stop if x in text)
         return n, at, stop
 
-    def _finish(self, req: _Request, reason: FinishReason | None) -> GenerationResult:
-        """The request's result; its slot (if any) is free from now on."""
+    def _finish(self, req: _Request, reason: FinishReason | None,
+                final: tuple[list[int], int, int] | None = None) -> GenerationResult:
+        """The request's result; its slot (if any) is free from now on. final: its output, steps and block start as
+        _final read them (else read here)."""
         st, P, s = self.st, len(req.prompt), req.slot
         tok, now = self.model.tokenizer, self.now()
         if s is None:  # cancelled while queued
             out, steps, blocks, extra = [], 0, 0, {}
         else:
+            if final is None:
+                end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
+                out = [] if reason == "stop" else st.seq[s, P:end].tolist()
+                final = (out, int(st.steps[s]), int(st.block_start[s]))
+            out, steps, block_start = final
             if reason == "stop":  # what the block events read, up to the block that holds the stop string
                 out = list(req.out)
-            else:
-                end = P + req.max_new if reason != "cancelled" else min(int(st.block_start[s]), P + req.max_new)
-                out = st.seq[s, P:end].tolist()
-            steps, extra = int(st.steps[s]), self.policy.report(st, s)
-            blocks = (int(st.block_start[s]) - self.policy.first_block(P)) // self.block
+            extra = self.policy.report(st, s)
+            blocks = (block_start - self.policy.first_block(P)) // self.block
             self._owner[s] = None
             if hasattr(self.kv, "free"):
                 self.kv.free(s)
