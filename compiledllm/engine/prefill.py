@@ -143,7 +143,7 @@ class Prefiller:
         left = [progress[s].left for s in slots]
         C = self.chunk_for(max(left))
         fwd, logits, finishing = self._forward(st, kv, first, rows, [progress[s].done for s in slots],
-                                               [progress[s].end for s in slots], C, stepping=step)
+                                               [progress[s].end for s in slots], C, step=step)
         if self.first_step is not None and step and any(n <= C for n in left):
             policy, phase, eos = self.first_step
             rows_st = st.view(rows, first)
@@ -181,8 +181,8 @@ class Prefiller:
             progress(len(shapes), len(shapes), what)
 
     def _forward(self, st: SlotState, kv: KVStore, first: int, rows: int, done: list[int], ends: list[int],
-                 C: int, write: bool = True, stepping: bool = True):
-        """One forward of chunk C (C + B queries with `first_step`; padding where `stepping` is False); returns its
+                 C: int, write: bool = True, step: bool = True):
+        """One forward of chunk C (C + B queries with `first_step`; padding where `step` is False); returns its
         Forward, its logits and [rows] bool: the rows whose prefill ends in it."""
         dev, Bk = st.seq.device, self.block
         start = torch.tensor(done, device=dev)
@@ -196,12 +196,12 @@ class Prefiller:
         if self.first_step is None:
             live, logits_at, need = real, torch.zeros((rows, 1), dtype=torch.long, device=dev), None  # head: one row
         else:  # the first step's block after the prefix of each row that ends here (module note)
-            step = (finishing & stepping)[:, None] & (pos >= end[:, None]) & (pos < end[:, None] + Bk) & (pos < cap)
-            live = real | step
+            stepped = (finishing & step)[:, None] & (pos >= end[:, None]) & (pos < end[:, None] + Bk) & (pos < cap)
+            live = real | stepped
             logits_at = (end - start).clamp(max=Q - Bk)[:, None] + torch.arange(Bk, device=dev)
             gen = pos.gather(1, logits_at) >= st.prompt_len[first : first + rows, None]
             need = self.first_step[0].needed(seq.gather(1, logits_at), gen, st.view(rows, first).policy)
-            need = need & step.gather(1, logits_at)
+            need = need & stepped.gather(1, logits_at)
         tokens = torch.where(live, seq, self.model.mask_token_id)
         fwd = window_forward(tokens, pos.clamp(max=cap - 1), start, Bk, live,
                              write=torch.where(live & write, pos, -1), logits_at=logits_at, logits_rows=need)
