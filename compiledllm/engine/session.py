@@ -394,8 +394,8 @@ class EngineSession:
         two copies (not three syncs a row: a burst's rows end in the same step)."""
         if not rows:
             return {}
-        out = self._read_spans({s: (len(self._owner[s].prompt), len(self._owner[s].prompt) + self._owner[s].max_new)
-                                for s in rows})
+        reqs = {s: self._owner[s] for s in rows}
+        out = self._read_spans({s: (len(r.prompt), len(r.prompt) + r.max_new) for s, r in reqs.items()})
         steps = self.st.steps.tolist()
         return {s: (out.get(s, []), steps[s], report.block_start[s]) for s in rows}
 
