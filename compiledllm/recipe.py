@@ -136,6 +136,10 @@ class PrefillSpec(_Strict):
     # the first decode step of a request rides in its last prefill forward (its block's queries after the prompt's):
     # one forward fewer before its first block, the same tokens (policies that allow it: threshold)
     first_step: bool = True
+    # with compile: also the small forwards, which eagerly cost ~7K ops of host work whatever their rows: every row
+    # count of the smallest chunk (short prompts, a first_block burst's later pieces) and one row of every chunk (a
+    # request that arrives alone); more shapes to build at start-up
+    compile_small: bool = False
 
 
 class ParallelSpec(_Strict):

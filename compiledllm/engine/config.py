@@ -35,6 +35,7 @@ class EngineConfig:
     prefill_priority: str = "throughput"  # or "first_block": no prefill while a decoding row is in its first block
     prefill_first_step: bool = True     # a prompt's last prefill forward also makes its first decode step (where the
                                         # policy allows it: Policy.prefill_step)
+    prefill_compile_small: bool = False  # with prefill.compile, the small forwards too (Prefiller, recipe.py)
     ignore_eos: bool = False            # decode max_new_tokens for every request (benchmarks)
     phase_times: bool = False           # time each decode phase on the device (RunStats.phases; engine/phase_times.py)
 
@@ -52,7 +53,7 @@ class EngineConfig:
         _compile_mode("prefill.compile", self.prefill_compile, "with `compile`, on CUDA")
         if self.prefill_priority not in PREFILL_PRIORITIES:
             raise UserError(f"prefill.priority: one of {', '.join(PREFILL_PRIORITIES)}, got {self.prefill_priority!r}")
-        for name in ("cuda_graphs", "ignore_eos", "phase_times", "prefill_first_step"):
+        for name in ("cuda_graphs", "ignore_eos", "phase_times", "prefill_first_step", "prefill_compile_small"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}: true or false, got {getattr(self, name)!r}")
         if self.buckets is not None:
@@ -69,4 +70,5 @@ class EngineConfig:
                    cuda_graphs=recipe.cuda_graphs, buckets=recipe.buckets, prefill_chunk=recipe.prefill.chunk,
                    prefill_tokens=recipe.prefill.tokens, prefill_compile=recipe.prefill.compile,
                    prefill_priority=recipe.prefill.priority, prefill_first_step=recipe.prefill.first_step,
+                   prefill_compile_small=recipe.prefill.compile_small,
                    ignore_eos=recipe.generation.ignore_eos, phase_times=recipe.phase_times)

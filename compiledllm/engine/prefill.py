@@ -15,7 +15,9 @@ compiled regions with static shapes, so the float32 elementwise work between the
 casts) is fused. The start-up's warm-up compiles exactly those shapes, so no request waits for a compile (one did:
 a first use of another shape compiled in the middle of a run for seconds); every other forward (fewer rows, small)
 runs eagerly. A shape-generic compile (dynamic shapes) measured slower at 32K prompts (recompiles;
-docs/results.md "Prefill").
+docs/results.md "Prefill"). An eager forward is ~7K ops of host work whatever its rows (36 layers), ~80 ms on an
+H100: `prefill.compile_small` compiles the small forwards too (every row count of the smallest chunk, one row of
+every chunk), opt-in until its start-up cost and gain are measured.
 
 The first step (`prefill.first_step`, a policy's `prefill_step`): every forward holds one block more per row, C + B
 queries. For a row whose prefill ends in the forward, the block after its prefix, [end, end + B), sits right after
@@ -98,9 +100,10 @@ class Prefiller:
     forwards of `compiled_shapes` run the layers as compiled regions (module note)."""
 
     def __init__(self, model, block: int, chunk: int, max_tokens: int, row_sizes: Sequence[int] | None = None,
-                 compiled: bool = False, slots: int | None = None, first_step: tuple | None = None):
+                 compiled: bool = False, slots: int | None = None, first_step: tuple | None = None,
+                 compile_small: bool = False):
         """first_step: (policy, phase, eos_id): the forwards also make each finishing row's first step (module
-        note)."""
+        note). compile_small: with `compiled`, the small forwards too (module note)."""
         self.model, self.block, self.max_tokens, self.slots = model, block, max_tokens, slots
         self.first_step = first_step
         self.chunks = chunk_buckets(chunk, block)
@@ -113,8 +116,11 @@ class Prefiller:
         if compiled:
             use_cache()  # Inductor's cache in the user's cache directory, also where the decode step is not compiled
             self.layers = compiled_regions(model).layers
-        full = {(self.most(c), c) for c in self.chunks}
-        self.compiled_shapes = {(r, c) for r, c in full if r * c >= COMPILE_MIN_TOKENS} if compiled else set()
+        full = {(r, c) for r, c in {(self.most(c), c) for c in self.chunks} if r * c >= COMPILE_MIN_TOKENS}
+        if compile_small:
+            small = self.chunks[0]
+            full |= {(r, small) for r in self.row_sizes if r <= self.most(small)} | {(1, c) for c in self.chunks}
+        self.compiled_shapes = full if compiled else set()
 
     def most(self, C: int) -> int:
         """The most rows of chunk C one forward holds."""

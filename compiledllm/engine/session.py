@@ -88,7 +88,7 @@ class EngineSession:
         phase = self.policy.prefill_step() if cfg.prefill_first_step and static is None and not hooked else None
         self.prefiller = None if self.kv is None else Prefiller(
             self.model, self.block, cfg.prefill_chunk, cfg.prefill_tokens, static.buckets if static else None,
-            compiled=engine.compiles_prefill(self.kv), slots=slots,
+            compiled=engine.compiles_prefill(self.kv), compile_small=cfg.prefill_compile_small, slots=slots,
             first_step=None if phase is None else (self.policy, phase, self.eos))
         self.host = HostContext(self.model, self.st, self.kv, engine.side_stream)
         self.startup_s = self.stepper.startup_s + self._warm_prefill(on_startup)

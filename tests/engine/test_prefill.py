@@ -324,6 +324,26 @@ def test_prefill_compile_follows_compile_unless_set(sdar):
         EngineConfig(POLICY, max_new_tokens=4, prefill_compile="yes")
 
 
+def test_compile_small_adds_the_small_forwards_shapes(sdar):
+    """prefill.compile_small: besides each chunk's full forward (from COMPILE_MIN_TOKENS tokens), every row count of
+    the smallest chunk and one row of every chunk compile: the forwards of short prompts, of a first_block burst's
+    later pieces and of a request arriving alone, each eagerly ~7K ops of host work whatever its rows. Off by
+    default, nothing without prefill.compile; anything but true / false is a one-line error naming the key."""
+    from compiledllm.engine.prefill import Prefiller
+
+    def shapes(**kw):
+        return Prefiller(sdar, 4, 4096, 16384, slots=128, **kw).compiled_shapes
+
+    full = {(128, 128), (64, 256), (32, 512), (16, 1024), (8, 2048), (4, 4096)}
+    assert shapes(compiled=True) == full
+    assert shapes(compiled=True, compile_small=True) - full == ({(r, 128) for r in (1, 2, 4, 8, 16, 32, 64)}
+                                                                 | {(1, c) for c in (256, 512, 1024, 2048, 4096)})
+    assert not shapes(compile_small=True)
+    assert EngineConfig(POLICY, max_new_tokens=4).prefill_compile_small is False
+    with pytest.raises(UserError, match="prefill_compile_small"):
+        EngineConfig(POLICY, max_new_tokens=4, prefill_compile_small="yes")
+
+
 @pytest.mark.parametrize("policy", [{"name": "mage", "budget": 0.3},
                                     {"name": "herald", "budget": 0.3, "retrieval": "scan", "pool": "host",
                                      "scratch": 4}],

@@ -147,15 +147,17 @@ if has prefirst; then  # issue 31 items 2, 5: the SDAR-4B workload under the def
   # prefill.priority=first_block with a first forward of 65 of the 128 prompts (PREFIRST_FORMS picks and orders them);
   # first72: first with a 72-row batch bucket, so that those 65 rows' first block steps run at 72 rows, not 128;
   # a form ending in "ns" (firstns, first72ns, autons): the same with `prefill.first_step: false` (the first decode
-  # step a forward of its own, as before the twenty-fifth session); the card's copy and matmul rates first, in the
+  # step a forward of its own, as before the twenty-fifth session); a form ending in "cs" (first72cs, autocs): the same
+  # with `prefill.compile_small: true` (the small forwards compiled too); the card's copy and matmul rates first, in the
   # same call (the first forward's floor is its FLOPs at that rate, a step's its bytes at the copy rate)
   ceilings "$OUT/prefirst_ceilings.json"
   for form in ${PREFIRST_FORMS:-auto false first}; do
-    base=${form%ns}
+    base=${form%cs}; small=$([ "$base" != "$form" ] && echo "--set prefill.compile_small=true"); base=${base%ns}
     sets="--set prefill.compile=$base"
     [[ $base = first* ]] && sets="--set prefill.priority=first_block --set prefill.tokens=8320"
     [ $base = first72 ] && sets="$sets --set buckets=[1,2,4,8,16,32,64,72,128]"
-    [ $base != $form ] && sets="$sets --set prefill.first_step=false"
+    [[ ${form%cs} = *ns ]] && sets="$sets --set prefill.first_step=false"
+    sets="$sets $small"
     timeout -k 20 ${PREFIRST_TIMEOUT:-240} python3 -m compiledllm bench recipes/bench_sdar4b.yaml $sets \
       --prompt-len 128 --output-len ${PREFIRST_OUTPUT:-1024} --batch 128 --out "$OUT/prefirst_sdar4b_$form.json" 2>&1 \
       | grep --line-buffered -v -i warn | tail -4
