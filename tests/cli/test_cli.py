@@ -342,7 +342,7 @@ def test_recipe_show_round_trips(tmp_path):
                               "verify_rule": "agree", "search": 8}
     assert data["generation"] == {"max_new_tokens": 12, "max_seq_len": None, "ignore_eos": False}
     assert data["prefill"] == {"chunk": 4096, "tokens": 16384, "compile": "auto", "priority": "throughput",
-                               "first_step": True}
+                               "first_step": True, "compile_small": False}
     assert run_cli("recipe", "show", shown).stdout.splitlines()[2:] == res.stdout.splitlines()[2:]
 
 
